@@ -1,0 +1,1 @@
+"""On-disk formats: torch.save records, the pyarrow index, metadata pickles."""

@@ -1,0 +1,94 @@
+"""Structural checks on checkpoint metadata before any of it is trusted.
+
+Metadata comes from disk and may be corrupt or hostile. Before a load plans a single
+read we check types, that every chunk lies inside its tensor, that every item names a
+safe relative file and a non-negative byte range large enough for the chunk it claims
+to hold (which also stops a chunk claiming 2**60 bytes from becoming an allocation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.torch_record import numel
+from dcp_ext.storage.location import check_relative_name
+
+_INT = int
+
+
+def _non_negative_ints(values: Any) -> bool:
+    return all(type(v) is _INT and v >= 0 for v in values)
+
+
+def items_from_storage_data(metadata: Metadata, source: str) -> dict[MetadataIndex, StoredItem]:
+    """Stored-item locations from a pickled metadata's ``storage_data``."""
+    if not isinstance(metadata.storage_data, dict):
+        raise CorruptCheckpointError(f"{source}: storage_data is {type(metadata.storage_data).__name__}, expected a dict")
+    items = {}
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{source}: storage_data entry {index!r} is not a DCP file location")
+        if info.transform_descriptors:
+            raise CorruptCheckpointError(
+                f"{source}: item {index.fqn!r} uses stream transforms {info.transform_descriptors}, which are not supported"
+            )
+        items[index] = StoredItem(info.relative_path, info.offset, info.length)
+    return items
+
+
+def check_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem], source: str) -> None:
+    """Raise CorruptCheckpointError/UnsafeCheckpointError naming the key on any fault."""
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{source}: state_dict_metadata is not a dict")
+    for index, item in items.items():
+        check_relative_name(source, item.relative_path, index.fqn)
+        if not _non_negative_ints((item.offset, item.length)) or type(item.payload_offset) is not int:
+            raise CorruptCheckpointError(
+                f"{source}: key {index.fqn!r} has an invalid byte range offset={item.offset!r} length={item.length!r}"
+            )
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{source}: key {fqn!r} is not a string")
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in items:
+                raise CorruptCheckpointError(f"{source}: bytes item {fqn!r} has no stored location")
+        elif isinstance(md, TensorStorageMetadata):
+            _check_tensor(fqn, md, items, source)
+        else:
+            raise CorruptCheckpointError(f"{source}: key {fqn!r} has unknown metadata {type(md).__name__}")
+
+
+def _check_tensor(fqn: str, md: TensorStorageMetadata, items: dict[MetadataIndex, StoredItem], source: str) -> None:
+    dtype = getattr(md.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not _non_negative_ints(md.size):
+        raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has an invalid dtype {dtype!r} or shape {md.size!r}")
+    if not isinstance(md.chunks, list):
+        raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has no chunk list")
+    for chunk in md.chunks:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if (
+            len(offsets) != len(md.size)
+            or len(sizes) != len(md.size)
+            or not _non_negative_ints(offsets)
+            or not _non_negative_ints(sizes)
+            or any(o + s > n for o, s, n in zip(offsets, sizes, md.size))
+        ):
+            raise CorruptCheckpointError(
+                f"{source}: tensor {fqn!r} chunk at {list(offsets)} of size {list(sizes)} "
+                f"does not fit its global shape {list(md.size)}"
+            )
+        item = items.get(MetadataIndex(fqn, offsets))
+        if item is None:
+            raise CorruptCheckpointError(f"{source}: tensor {fqn!r} chunk at {list(offsets)} has no stored location")
+        nbytes = numel(sizes) * dtype.itemsize
+        if nbytes > item.length or (item.payload_offset >= 0 and item.payload_offset + nbytes > item.offset + item.length):
+            raise CorruptCheckpointError(
+                f"{source}: tensor {fqn!r} chunk at {list(offsets)} needs {nbytes} bytes but its record in "
+                f"{item.relative_path!r} holds {item.length}"
+            )

@@ -1,0 +1,1 @@
+"""Planners: what each rank saves or loads."""

@@ -1,0 +1,249 @@
+"""ShardReader: a DCP StorageReader that reads only the bytes a load needs, in parallel."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.torch_record import TensorLayout
+from dcp_ext.storage.catalog import METADATA_CACHE, Catalog, read_catalog
+from dcp_ext.storage.location import Location
+from dcp_ext.storage.read_plan import Request, bytes_request, tensor_requests
+
+TASK_BYTES = 32 << 20  # bytes one thread reads before the next task is picked
+GAP_BYTES = 64 << 10  # holes up to this size are read through to merge two reads
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """Figures of the last load through one reader (reset when a load starts)."""
+
+    bytes_read: int = 0
+    files_opened: int = 0
+    metadata_reads: int = 0
+    items_read: int = 0
+    seconds: float = 0.0
+
+
+def default_thread_count() -> int:
+    return max(4, min(16, os.cpu_count() or 1))
+
+
+class ShardReader(StorageReader):
+    """Reads DCP checkpoints written by ShardWriter or by stock DCP.
+
+    Args:
+        path: local directory or fsspec URL.
+        thread_count: parallel reads per rank (default: from the CPU count).
+        verify_checksums: check every byte read against its recorded checksum.
+        cache_metadata: share parsed metadata with every reader in this process.
+        storage_options: passed to fsspec for URLs.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int | None = None,
+        verify_checksums: bool = False,
+        cache_metadata: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.storage_options = storage_options
+        self.location = Location(path, storage_options)
+        self.thread_count = thread_count or default_thread_count()
+        self.verify_checksums = verify_checksums
+        self.cache_metadata = cache_metadata
+        self.stats = ReadStats()
+        self.catalog: Catalog | None = None
+        self.rank = 0
+        self.is_coordinator = False
+
+    # -- DCP protocol ---------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.location = Location(checkpoint_id, self.storage_options)
+        self.catalog = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self.stats = ReadStats()
+        started = time.perf_counter()
+        if self.cache_metadata:
+            self.catalog, was_read = METADATA_CACHE.open(self.location)
+        else:
+            self.catalog, was_read = read_catalog(self.location), True
+        self.stats.metadata_reads += int(was_read)
+        self.stats.seconds += time.perf_counter() - started
+        metadata = self.catalog.metadata
+        storage_meta = dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=uuid.uuid4().hex)
+        return dataclasses.replace(metadata, storage_meta=storage_meta)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") or 0
+        if self.catalog is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        started = time.perf_counter()
+        catalog = self._require_catalog()
+        self._check_files(catalog, plan.items)
+        layouts = self._layouts(catalog, plan.items)
+        requests: list[Request] = []
+        commits: list[Callable[[], None]] = []
+        for read_item in plan.items:
+            requests.extend(self._plan_item(catalog, read_item, planner, layouts, commits))
+        bytes_read, files = self._execute(requests)
+        for commit_item in commits:
+            commit_item()
+        self.stats.bytes_read += bytes_read
+        self.stats.files_opened += len(files)
+        self.stats.items_read += len(plan.items)
+        self.stats.seconds += time.perf_counter() - started
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- planning ------------------------------------------------------------------------
+    def _require_catalog(self) -> Catalog:
+        if self.catalog is None:
+            self.read_metadata()
+        assert self.catalog is not None
+        return self.catalog
+
+    def _where(self, path: str, key: str) -> str:
+        return f"{self.location.url}: file {path!r} key {key!r}"
+
+    def _check_files(self, catalog: Catalog, items: list[ReadItem]) -> None:
+        """Every file exists and holds every byte range the plan will touch."""
+        sizes: dict[str, int | None] = {}
+        for read_item in items:
+            stored = catalog.item(read_item.storage_index)
+            path = stored.relative_path
+            if path not in sizes:
+                self.location.path(path, read_item.storage_index.fqn)  # rejects escapes
+                sizes[path] = self.location.size(path)
+            size = sizes[path]
+            if size is None:
+                raise CheckpointError(f"{self._where(path, read_item.storage_index.fqn)}: data file is missing")
+            if stored.offset + stored.length > size:
+                raise CorruptCheckpointError(
+                    f"{self._where(path, read_item.storage_index.fqn)}: item needs bytes "
+                    f"[{stored.offset}, {stored.offset + stored.length}) but the file has {size} bytes (truncated?)"
+                )
+
+    def _layouts(self, catalog: Catalog, items: list[ReadItem]) -> dict[Any, TensorLayout]:
+        """Tensor layouts for the plan; stock records are parsed in parallel, once."""
+        indices = {i.storage_index for i in items if i.type != LoadItemType.BYTE_IO}
+        layouts = {index: catalog.known_layout(index) for index in indices}
+        missing = [index for index, layout in layouts.items() if layout is None]
+        if missing:
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp_ext-probe") as pool:
+                for index, layout in zip(missing, pool.map(lambda i: catalog.parse_layout(self.location, i), missing)):
+                    layouts[index] = layout
+        return layouts
+
+    def _plan_item(
+        self,
+        catalog: Catalog,
+        read_item: ReadItem,
+        planner: LoadPlanner,
+        layouts: dict[Any, TensorLayout],
+        commits: list[Callable[[], None]],
+    ) -> list[Request]:
+        index = read_item.storage_index
+        stored = catalog.item(index)
+        where = self._where(stored.relative_path, index.fqn)
+        if read_item.type == LoadItemType.BYTE_IO:
+            request, buf = bytes_request(stored, index.fqn, where, self.verify_checksums)
+            commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(buf)))
+            return [request]
+        dest = planner.resolve_tensor(read_item).detach()
+        if tuple(dest.shape) != tuple(read_item.lengths):
+            raise CheckpointError(
+                f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
+            )
+        commits.append(lambda: planner.commit_tensor(read_item, dest))
+        return tensor_requests(
+            stored,
+            layouts[index],
+            tuple(read_item.storage_offsets),
+            tuple(read_item.lengths),
+            dest,
+            index.fqn,
+            where,
+            self.verify_checksums,
+        )
+
+    # -- execution -----------------------------------------------------------------------
+    def _execute(self, requests: list[Request]) -> tuple[int, set[str]]:
+        """Run requests grouped per file in offset order, spread over threads."""
+        requests.sort(key=lambda r: (r.path, r.start))
+        tasks: list[list[Request]] = []
+        task_bytes = 0
+        for request in requests:
+            if not tasks or tasks[-1][0].path != request.path or task_bytes >= TASK_BYTES:
+                tasks.append([])
+                task_bytes = 0
+            tasks[-1].append(request)
+            task_bytes += request.nbytes
+        if not tasks:
+            return 0, set()
+        with ThreadPoolExecutor(min(self.thread_count, len(tasks)), thread_name_prefix="dcp_ext-read") as pool:
+            totals = list(pool.map(self._run_task, tasks))
+        return sum(totals), {task[0].path for task in tasks}
+
+    def _run_task(self, task: list[Request]) -> int:
+        path = task[0].path
+        runs = _coalesce(task)
+        total = 0
+        with self.location.open_reader(path, task[0].key) as reader:
+            for offset, buffers in runs:
+                total += reader.read_into(offset, buffers)
+        for request in task:
+            request.complete()
+        return total
+
+
+def _coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:
+    """Merge the ranges of a task into scatter reads, reading small holes into scratch."""
+    runs: list[tuple[int, list[Any]]] = []
+    end = -1
+    for request in task:
+        targets = iter(request.targets())
+        for offset, length in request.ranges:
+            buffers = []
+            while sum(b.nbytes for b in buffers) < length:
+                buffers.append(next(targets))
+            gap = offset - end
+            if runs and 0 <= gap <= GAP_BYTES:
+                if gap:
+                    runs[-1][1].append(memoryview(bytearray(gap)))
+                runs[-1][1].extend(buffers)
+            else:
+                runs.append((offset, buffers))
+            end = offset + length
+    return runs

@@ -1,0 +1,106 @@
+"""Write one DCP item as stock DCP does (a ``torch.save`` record or raw bytes), checksummed.
+
+The record format is exactly stock's, so stock ``FileSystemReader`` reads our files.
+While ``torch.save`` streams the record out we compute a CRC32C of every byte and keep
+the record's first and last few KiB, from which the same parser the reader uses finds
+where the tensor bytes start: the index can then send later reads straight there.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import IO
+
+import crc32c
+import torch
+
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.torch_record import PROBE_BYTES, parse_tensor_record
+
+
+class RecordSink:
+    """File wrapper handed to ``torch.save``: tracks position, checksum, head and tail."""
+
+    def __init__(self, out: IO[bytes], checksums: bool):
+        self.out = out
+        self.checksums = checksums
+        self.position = 0
+        self._start = 0
+        self._crc = 0
+        self._head = bytearray()
+        self._tail = bytearray()
+
+    def begin(self) -> None:
+        self._start, self._crc = self.position, 0
+        self._head.clear()
+        self._tail.clear()
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        self.out.write(view)
+        if self.checksums:
+            self._crc = crc32c.crc32c(view, self._crc)
+        if len(self._head) < PROBE_BYTES:
+            self._head += view[: PROBE_BYTES - len(self._head)]
+        self._tail += view[-PROBE_BYTES:]
+        del self._tail[:-PROBE_BYTES]
+        self.position += n
+        return n
+
+    @property
+    def record_start(self) -> int:
+        return self._start
+
+    @property
+    def record_length(self) -> int:
+        return self.position - self._start
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Bytes of the current record, served from the captured head and tail."""
+        length = self.record_length
+        if offset + n <= len(self._head):
+            return bytes(self._head[offset : offset + n])
+        tail_start = length - len(self._tail)
+        if offset >= tail_start:
+            return bytes(self._tail[offset - tail_start : offset - tail_start + n])
+        raise AssertionError("record header not captured")  # zip headers always sit at the ends
+
+    def finish(self, relative_path: str, payload_offset: int) -> StoredItem:
+        return StoredItem(
+            relative_path,
+            self._start,
+            self.record_length,
+            payload_offset,
+            self._crc if self.checksums else None,
+        )
+
+
+def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its bytes in row-major order (what we store)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    ):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def write_tensor(sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str) -> StoredItem:
+    sink.begin()
+    torch.save(dense_cpu(tensor), sink)
+    layout = parse_tensor_record(sink.record_length, sink.read_at, where)
+    return sink.finish(relative_path, sink.record_start + layout.payload_offset)
+
+
+def write_bytes(sink: RecordSink, relative_path: str, data: io.BytesIO) -> StoredItem:
+    sink.begin()
+    sink.write(data.getbuffer())
+    return sink.finish(relative_path, -1)

@@ -1,0 +1,74 @@
+"""The process-wide metadata cache: one read per checkpoint version, never stale."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from conftest import assert_state_equal, load, sample_state, save
+
+from dcp_ext import ShardReader, clear_metadata_cache
+from dcp_ext.storage.catalog import METADATA_CACHE
+
+
+def test_many_readers_read_the_metadata_once(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    readers = [load(state, tmp_path)[1] for _ in range(5)]
+    assert [r.stats.metadata_reads for r in readers] == [1, 0, 0, 0, 0]
+    assert all(r.catalog is readers[0].catalog for r in readers)
+
+
+def test_concurrent_readers_share_one_read(tmp_path):
+    save(sample_state(), tmp_path)
+    readers = [ShardReader(tmp_path) for _ in range(8)]
+    threads = [threading.Thread(target=r.read_metadata) for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r.stats.metadata_reads for r in readers) == 1
+
+
+def test_checkpoint_rewritten_in_place_is_reread(tmp_path):
+    first, second = sample_state(1), sample_state(2)
+    second["extra"] = torch.arange(5)
+    save(first, tmp_path)
+    got, reader = load(first, tmp_path)
+    assert_state_equal(got, first)
+    save(second, tmp_path)
+    got, reader = load(second, tmp_path)
+    assert reader.stats.metadata_reads == 1
+    assert_state_equal(got, second)
+
+
+def test_cache_disabled_bypasses_the_cache_entirely(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    readers = [load(state, tmp_path, cache_metadata=False)[1] for _ in range(3)]
+    assert [r.stats.metadata_reads for r in readers] == [1, 1, 1]
+    assert not METADATA_CACHE._entries
+
+
+def test_clear_metadata_cache_forces_a_new_read(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    load(state, tmp_path)
+    clear_metadata_cache()
+    assert load(state, tmp_path)[1].stats.metadata_reads == 1
+
+
+def test_cache_is_bounded(tmp_path):
+    for n in range(METADATA_CACHE.max_entries + 3):
+        save({"t": torch.tensor([n])}, tmp_path / str(n))
+        ShardReader(tmp_path / str(n)).read_metadata()
+    assert len(METADATA_CACHE._entries) == METADATA_CACHE.max_entries
+
+
+def test_stock_checkpoint_metadata_is_cached_too(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = sample_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path))
+    reads = [load(state, tmp_path)[1].stats.metadata_reads for _ in range(3)]
+    assert reads == [1, 0, 0]
