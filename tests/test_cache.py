@@ -72,3 +72,18 @@ def test_stock_checkpoint_metadata_is_cached_too(tmp_path):
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path))
     reads = [load(state, tmp_path)[1].stats.metadata_reads for _ in range(3)]
     assert reads == [1, 0, 0]
+
+
+def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
+    import pytest
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_ext import CheckpointExistsError
+
+    state = sample_state()
+    save(state, tmp_path, overwrite=False)  # empty directory: fine
+    with pytest.raises(CheckpointException) as info:
+        save(sample_state(5), tmp_path, overwrite=False)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, CheckpointExistsError) and str(tmp_path) in str(error)
+    assert_state_equal(load(state, tmp_path)[0], state)  # the existing checkpoint is untouched

@@ -149,7 +149,10 @@ def encode_index(metadata: Metadata, items: dict[MetadataIndex, StoredItem], met
 def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
     """Parse index bytes from ``source``; malformed content raises CorruptCheckpointError."""
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        # One thread: read_table's dataset thread pool sometimes aborts the interpreter at
+        # exit ("terminate called without an active exception", pyarrow 26), and the
+        # index is small enough that threads buy nothing.
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
         header = json.loads(table.schema.metadata[_META_KEY])
         if header.get("format") != INDEX_FORMAT:
             raise ValueError(f"format {header.get('format')!r}, expected {INDEX_FORMAT!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import crc32c
 import numpy as np
@@ -94,6 +94,29 @@ def bytes_request(item: StoredItem, key: str, where: str, verify: bool) -> tuple
     return request, buf
 
 
+@dataclass(frozen=True)
+class BoxRead:
+    """A box of one stored chunk and the destination tensor it fills."""
+
+    path: str
+    key: str
+    layout: TensorLayout
+    base: int  # absolute file offset of the chunk's first storage byte
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    dest: torch.Tensor
+
+    def narrowed(self, dim: int, start: int, n: int) -> BoxRead:
+        offsets = self.offsets[:dim] + (self.offsets[dim] + start,) + self.offsets[dim + 1 :]
+        lengths = self.lengths[:dim] + (n,) + self.lengths[dim + 1 :]
+        return replace(self, offsets=offsets, lengths=lengths, dest=self.dest.narrow(dim, start, n))
+
+    def copy_from(self, storage: torch.Tensor, storage_offset: int = 0) -> None:
+        """Copy the box out of a buffer laid out like the stored chunk's storage."""
+        start = storage_offset + sum(o * s for o, s in zip(self.offsets, self.layout.stride))
+        self.dest.copy_(storage.as_strided(self.lengths, self.layout.stride, start))
+
+
 def tensor_requests(
     item: StoredItem,
     layout: TensorLayout,
@@ -107,32 +130,24 @@ def tensor_requests(
     """Requests that fill ``dest`` with the box of the stored chunk ``item``."""
     if numel(box_lengths) == 0:
         return []
-    base = item.offset + layout.payload_offset
+    box = BoxRead(item.relative_path, key, layout, item.offset + layout.payload_offset, box_offsets, box_lengths, dest)
     if verify and (item.checksum is not None or layout.payload_crc32 is not None):
-        return [_verified_request(item, layout, base, box_offsets, box_lengths, dest, key, where)]
+        return [_verified_request(item, box, where)]
     if not layout.is_dense():
-        return [_strided_request(item.relative_path, layout, base, box_offsets, box_lengths, dest, key)]
-    return [
-        _dense_request(item.relative_path, layout, base, offs, lens, sub, key)
-        for offs, lens, sub in _slabs(box_offsets, box_lengths, dest, layout.shape, layout.dtype.itemsize)
-    ]
+        return [_storage_request(box)]
+    return [_dense_request(slab) for slab in _slabs(box)]
 
 
-def _slabs(
-    offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor, shape: tuple[int, ...], itemsize: int
-) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+def _slabs(box: BoxRead) -> Iterator[BoxRead]:
     """Split a box along its outer dims so the source bytes it spans stay within SLAB_BYTES."""
-    dim = next((d for d, n in enumerate(lengths) if n > 1), None)
-    unit = numel(shape[dim + 1 :]) * itemsize if dim is not None else 0
-    if dim is None or lengths[dim] * unit <= SLAB_BYTES:
-        yield offsets, lengths, dest
+    dim = next((d for d, n in enumerate(box.lengths) if n > 1), None)
+    unit = numel(box.layout.shape[dim + 1 :]) * box.layout.dtype.itemsize if dim is not None else 0
+    if dim is None or box.lengths[dim] * unit <= SLAB_BYTES:
+        yield box
         return
     step = max(1, SLAB_BYTES // max(unit, 1))
-    for start in range(0, lengths[dim], step):
-        n = min(step, lengths[dim] - start)
-        sub_offsets = offsets[:dim] + (offsets[dim] + start,) + offsets[dim + 1 :]
-        sub_lengths = lengths[:dim] + (n,) + lengths[dim + 1 :]
-        yield from _slabs(sub_offsets, sub_lengths, dest.narrow(dim, start, n), shape, itemsize)
+    for start in range(0, box.lengths[dim], step):
+        yield from _slabs(box.narrowed(dim, start, min(step, box.lengths[dim] - start)))
 
 
 def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int, np.ndarray]:
@@ -154,31 +169,23 @@ def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, 
     return partial, lengths[partial] * inner, starts
 
 
-def _dense_request(
-    path: str,
-    layout: TensorLayout,
-    base: int,
-    offsets: tuple[int, ...],
-    lengths: tuple[int, ...],
-    dest: torch.Tensor,
-    key: str,
-) -> Request:
-    itemsize = layout.dtype.itemsize
-    outer, run, starts = _runs(layout.shape, offsets, lengths)
-    run_bytes = run * itemsize
+def _dense_request(box: BoxRead) -> Request:
+    dtype = box.layout.dtype
+    outer, run, starts = _runs(box.layout.shape, box.offsets, box.lengths)
+    run_bytes = run * dtype.itemsize
     if len(starts) > 1 and run_bytes < SMALL_RUN_BYTES:
-        return _span_request(path, layout, base, offsets, lengths, dest, key, starts, run)
-    ranges = [(base + int(s) * itemsize, run_bytes) for s in starts]
-    block = dest[(0,) * outer] if outer else dest
-    if _direct_capable(dest, layout.dtype) and block.is_contiguous():
-        return Request(path, key, ranges, lambda: _dest_runs(dest, outer, run_bytes))
-    temp = torch.empty(lengths, dtype=layout.dtype)
+        return _span_request(box, int(starts[0]), int(starts[-1]) + run)
+    ranges = [(box.base + int(s) * dtype.itemsize, run_bytes) for s in starts]
+    block = box.dest[(0,) * outer] if outer else box.dest
+    if _direct_capable(box.dest, dtype) and block.is_contiguous():
+        return Request(box.path, box.key, ranges, lambda: _dest_runs(box.dest, outer, run_bytes))
+    temp = torch.empty(box.lengths, dtype=dtype)
 
     def targets() -> list[memoryview]:
         data = tensor_bytes(temp)
         return [data[i * run_bytes : (i + 1) * run_bytes] for i in range(len(ranges))]
 
-    return Request(path, key, ranges, targets, lambda: dest.copy_(temp))
+    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(temp))
 
 
 def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryview]:
@@ -192,68 +199,29 @@ def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryvie
     return [data[int(s) * itemsize : int(s) * itemsize + run_bytes] for s in starts]
 
 
-def _span_request(
-    path: str,
-    layout: TensorLayout,
-    base: int,
-    offsets: tuple[int, ...],
-    lengths: tuple[int, ...],
-    dest: torch.Tensor,
-    key: str,
-    starts: np.ndarray,
-    run: int,
-) -> Request:
-    """Many tiny runs: read their enclosing span once and copy the box out with strides."""
-    itemsize = layout.dtype.itemsize
-    first, last = int(starts[0]), int(starts[-1]) + run
-    span = torch.empty(last - first, dtype=layout.dtype)
-
-    def complete() -> None:
-        box_start = sum(o * s for o, s in zip(offsets, layout.stride)) - first
-        dest.copy_(span.as_strided(lengths, layout.stride, box_start))
-
-    return Request(path, key, [(base + first * itemsize, (last - first) * itemsize)], lambda: [tensor_bytes(span)], complete)
+def _span_request(box: BoxRead, first: int, last: int) -> Request:
+    """Many tiny runs: read their enclosing span [first, last) once, copy the box out with strides."""
+    itemsize = box.layout.dtype.itemsize
+    span = torch.empty(last - first, dtype=box.layout.dtype)
+    ranges = [(box.base + first * itemsize, (last - first) * itemsize)]
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span)], lambda: box.copy_from(span, -first))
 
 
-def _strided_request(
-    path: str,
-    layout: TensorLayout,
-    base: int,
-    offsets: tuple[int, ...],
-    lengths: tuple[int, ...],
-    dest: torch.Tensor,
-    key: str,
-) -> Request:
+def _storage_request(box: BoxRead) -> Request:
     """A record whose tensor is a strided view of its storage: read the storage, view, copy."""
+    layout = box.layout
     storage = torch.empty(layout.payload_nbytes // layout.dtype.itemsize, dtype=layout.dtype)
-
-    def complete() -> None:
-        whole = storage.as_strided(layout.shape, layout.stride, layout.storage_offset)
-        dest.copy_(_box(whole, offsets, lengths))
-
-    return Request(path, key, [(base, layout.payload_nbytes)], lambda: [tensor_bytes(storage)], complete)
+    ranges = [(box.base, layout.payload_nbytes)]
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(storage)],
+                   lambda: box.copy_from(storage, layout.storage_offset))
 
 
-def _box(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
-        tensor = tensor.narrow(dim, o, n)
-    return tensor
-
-
-def _verified_request(
-    item: StoredItem,
-    layout: TensorLayout,
-    base: int,
-    offsets: tuple[int, ...],
-    lengths: tuple[int, ...],
-    dest: torch.Tensor,
-    key: str,
-    where: str,
-) -> Request:
+def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
     """Read every byte the checksum covers, check it, then fill the destination."""
-    whole_chunk = tuple(lengths) == layout.shape and layout.is_dense()
-    direct = whole_chunk and _direct_capable(dest, layout.dtype) and dest.is_contiguous()
-    storage = dest if direct else torch.empty(layout.payload_nbytes // layout.dtype.itemsize, dtype=layout.dtype)
+    layout = box.layout
+    whole_chunk = box.lengths == layout.shape and layout.is_dense()
+    direct = whole_chunk and _direct_capable(box.dest, layout.dtype) and box.dest.is_contiguous()
+    storage = box.dest if direct else torch.empty(layout.payload_nbytes // layout.dtype.itemsize, dtype=layout.dtype)
     if item.checksum is not None:  # our index: CRC32C of the whole record
         check = Verification("crc32c", item.checksum, where)
         head = bytearray(layout.payload_offset)
@@ -262,7 +230,7 @@ def _verified_request(
     else:  # stock record: the zip entry's CRC-32 of the storage bytes
         check = Verification("crc32", layout.payload_crc32, where)
         head = tail = bytearray()
-        ranges = [(base, layout.payload_nbytes)]
+        ranges = [(box.base, layout.payload_nbytes)]
 
     def targets() -> list[memoryview]:
         return [memoryview(head), tensor_bytes(storage), memoryview(tail)]
@@ -270,7 +238,6 @@ def _verified_request(
     def complete() -> None:
         check.check(targets())
         if not direct:
-            whole = storage.as_strided(layout.shape, layout.stride, layout.storage_offset)
-            dest.copy_(_box(whole, offsets, lengths))
+            box.copy_from(storage, layout.storage_offset)
 
-    return Request(item.relative_path, key, ranges, targets, complete)
+    return Request(item.relative_path, box.key, ranges, targets, complete)

@@ -1,9 +1,11 @@
 """Write one DCP item as stock DCP does (a ``torch.save`` record or raw bytes), checksummed.
 
 The record format is exactly stock's, so stock ``FileSystemReader`` reads our files.
-While ``torch.save`` streams the record out we compute a CRC32C of every byte and keep
-the record's first and last few KiB, from which the same parser the reader uses finds
-where the tensor bytes start: the index can then send later reads straight there.
+While ``torch.save`` streams the record out we compute a CRC32C of every byte and note
+where the tensor bytes start: ``torch.save`` hands the storage to ``write`` as one
+zero-copy buffer at the tensor's own address. The index can then send later reads
+straight there. (Empty tensors have no such write; for them the record's captured first
+and last few KiB go through the reader's zip parser.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import io
 from typing import IO
 
 import crc32c
+import numpy as np
 import torch
 
 from dcp_ext.formats.index import StoredItem
@@ -29,22 +32,29 @@ class RecordSink:
         self._crc = 0
         self._head = bytearray()
         self._tail = bytearray()
+        self._payload: tuple[int, int] = (0, -1)  # (address, nbytes) of the expected tensor bytes
+        self.payload_offset: int | None = None  # where they landed, relative to the record
 
-    def begin(self) -> None:
+    def begin(self, payload: torch.Tensor | None = None) -> None:
         self._start, self._crc = self.position, 0
         self._head.clear()
         self._tail.clear()
+        self._payload = (payload.data_ptr(), payload.nbytes) if payload is not None else (0, -1)
+        self.payload_offset = None
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
+        if n == self._payload[1] and self.payload_offset is None and _address(view) == self._payload[0]:
+            self.payload_offset = self.position - self._start
         self.out.write(view)
         if self.checksums:
             self._crc = crc32c.crc32c(view, self._crc)
-        if len(self._head) < PROBE_BYTES:
-            self._head += view[: PROBE_BYTES - len(self._head)]
-        self._tail += view[-PROBE_BYTES:]
-        del self._tail[:-PROBE_BYTES]
+        if self._payload[1] < 0:  # no payload to spot: keep the ends for the zip parser
+            if len(self._head) < PROBE_BYTES:
+                self._head += view[: PROBE_BYTES - len(self._head)]
+            self._tail += view[-PROBE_BYTES:]
+            del self._tail[:-PROBE_BYTES]
         self.position += n
         return n
 
@@ -79,6 +89,10 @@ class RecordSink:
         )
 
 
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+
+
 def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor that owns exactly its bytes in row-major order (what we store)."""
     tensor = tensor.detach()
@@ -94,10 +108,13 @@ def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def write_tensor(sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str) -> StoredItem:
-    sink.begin()
-    torch.save(dense_cpu(tensor), sink)
-    layout = parse_tensor_record(sink.record_length, sink.read_at, where)
-    return sink.finish(relative_path, sink.record_start + layout.payload_offset)
+    tensor = dense_cpu(tensor)
+    sink.begin(tensor if tensor.nbytes else None)
+    torch.save(tensor, sink)
+    payload_offset = sink.payload_offset
+    if payload_offset is None:
+        payload_offset = parse_tensor_record(sink.record_length, sink.read_at, where).payload_offset
+    return sink.finish(relative_path, sink.record_start + payload_offset)
 
 
 def write_bytes(sink: RecordSink, relative_path: str, data: io.BytesIO) -> StoredItem:

@@ -1,0 +1,1 @@
+"""The ``dcp-ext`` command line tool."""

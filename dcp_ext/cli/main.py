@@ -1,0 +1,34 @@
+"""Entry point of the ``dcp-ext`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dcp_ext.errors import CheckpointError
+
+_COMMANDS = {
+    "inspect": ("dcp_ext.cli.inspect_cmd", "list keys, dtypes, shapes, chunks, bytes and files"),
+    "verify": ("dcp_ext.cli.verify_cmd", "check completeness, file sizes and every checksum"),
+    "demo": ("dcp_ext.cli.demo", "multi-process FSDP2 save and resharded load on CPU"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-ext", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module_name, help_text) in _COMMANDS.items():
+        modules[name] = importlib.import_module(module_name)
+        modules[name].add_arguments(commands.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.command].main(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

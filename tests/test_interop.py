@@ -1,0 +1,134 @@
+"""Interoperability with stock DCP storage, in both directions.
+
+* a checkpoint written by ShardWriter loads bit-exact with stock
+  ``FileSystemReader`` + ``DefaultLoadPlanner``;
+* checkpoints written by stock ``FileSystemWriter`` (1 and 2 threads) and
+  ``FsspecWriter`` load bit-exact with ShardReader + ShardLoadPlanner;
+
+each at the saving world size (2 processes) and resharded to 1 process (where
+the DTensors are loaded into plain full tensors), bytes items included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from mp import assert_state_dict_equal, garbage_like, run_job
+
+# name -> (global shape, dtype, placement when saved on 2 ranks)
+DT_SPECS = {
+    "w": ((9, 4), torch.float32, Shard(0)),  # 5 / 4 rows
+    "b": ((3, 5), torch.bfloat16, Shard(1)),  # 3 / 2 cols
+    "r": ((4,), torch.float16, Replicate()),
+    "e": ((1, 4), torch.int64, Shard(0)),  # rank 1 holds an empty shard
+    "m": ((6,), torch.bool, Shard(0)),
+}
+
+WRITERS = ("ours", "stock_t1", "stock_t2", "fsspec")
+
+
+def _globals() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2024)
+    out = {}
+    for name, (shape, dtype, _) in DT_SPECS.items():
+        if dtype == torch.bool:
+            out[name] = torch.randint(0, 2, shape, generator=g).bool()
+        elif dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=g).to(dtype)
+        else:
+            out[name] = torch.randint(-(2**40), 2**40, shape, generator=g, dtype=dtype)
+    out["plain"] = torch.randn(5, 5, generator=g)
+    out["plain_i"] = torch.randint(0, 100, (3,), generator=g)
+    out["nested_x"] = torch.randn(2, 2, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _objects() -> dict:
+    return {"step": 11, "name": "interop", "cfg": {"lr": 0.1, "sched": [1, 2, 3]}, "hist": [0.5, "y"]}
+
+
+def _placeholders() -> dict:
+    return {"step": 0, "name": "", "cfg": {"lr": 0.0, "sched": []}, "hist": []}
+
+
+def build(mesh, *, destination: bool):
+    """(state_dict, expected).  mesh=None: DTensor entries become plain full tensors."""
+    glob = _globals()
+    sd, exp = {}, {}
+    for name, (_, _, placement) in DT_SPECS.items():
+        src = garbage_like(glob[name]) if destination else glob[name].clone()
+        if mesh is None:
+            sd[name] = src
+            exp[name] = glob[name]
+        else:
+            sd[name] = distribute_tensor(src, mesh, [placement], src_data_rank=None)
+            exp[name] = distribute_tensor(glob[name], mesh, [placement], src_data_rank=None).to_local().clone()
+    for name in ("plain", "plain_i"):
+        sd[name] = garbage_like(glob[name]) if destination else glob[name].clone()
+        exp[name] = glob[name]
+    sd["empty"] = torch.empty(0, 3)
+    exp["empty"] = torch.empty(0, 3)
+    sd["nested"] = {
+        "x": garbage_like(glob["nested_x"]) if destination else glob["nested_x"].clone(),
+        "obj": {"a": 0, "b": ""} if destination else {"a": 1, "b": "two"},
+    }
+    exp["nested"] = {"x": glob["nested_x"], "obj": {"a": 1, "b": "two"}}
+    sd["objects"] = _placeholders() if destination else _objects()
+    exp["objects"] = _objects()
+    return sd, exp
+
+
+def _dirs(base: str) -> dict[str, str]:
+    return {w: os.path.join(base, w) for w in WRITERS}
+
+
+def _save_all(sd: dict, base: str) -> None:
+    d = _dirs(base)
+    dcp.save(sd, storage_writer=ShardWriter(d["ours"]), planner=ShardSavePlanner())
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(d["stock_t1"], thread_count=1), planner=DefaultSavePlanner())
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(d["stock_t2"], thread_count=2), planner=DefaultSavePlanner())
+    dcp.save(sd, storage_writer=FsspecWriter(d["fsspec"]), planner=DefaultSavePlanner())
+
+
+def _load_all(mesh, base: str, where: str) -> None:
+    d = _dirs(base)
+    # Ours -> stock reader and stock planner.
+    dest, expected = build(mesh, destination=True)
+    dcp.load(dest, storage_reader=dcp.FileSystemReader(d["ours"]), planner=DefaultLoadPlanner())
+    assert_state_dict_equal(dest, expected, f"{where} ours->FileSystemReader")
+    # Stock writers -> ours.
+    for writer in ("stock_t1", "stock_t2", "fsspec"):
+        dest, expected = build(mesh, destination=True)
+        reader = ShardReader(d[writer])
+        dcp.load(dest, storage_reader=reader, planner=ShardLoadPlanner())
+        assert_state_dict_equal(dest, expected, f"{where} {writer}->ShardReader")
+        assert reader.stats.items_read > 0 and reader.stats.bytes_read > 0, (writer, reader.stats)
+
+
+def save_and_load_job(rank: int, world: int, base: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    sd, _ = build(mesh, destination=False)
+    _save_all(sd, base)
+    dist.barrier()
+    _load_all(mesh, base, f"same world ({world}) rank {rank}")
+
+
+def resharded_load_job(rank: int, world: int, base: str) -> None:
+    _load_all(None, base, f"resharded to world {world} rank {rank}")
+
+
+def test_interop_with_stock_dcp(tmp_path):
+    base = str(tmp_path)
+    run_job(save_and_load_job, 2, base)
+    for w, path in _dirs(base).items():
+        assert os.path.exists(os.path.join(path, ".metadata")), f"{w} wrote no .metadata"
+    run_job(resharded_load_job, 1, base)
