@@ -7,7 +7,9 @@ from dcp_ext.errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
+from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict, with_checkpoint_placements
 from dcp_ext.planning.planners import ShardLoadPlanner, ShardSavePlanner
+from dcp_ext.planning.replica_check import ReplicaMismatchError
 from dcp_ext.storage.catalog import clear_metadata_cache
 from dcp_ext.storage.reader import ReadStats, ShardReader
 from dcp_ext.storage.writer import ShardWriter
@@ -17,11 +19,15 @@ __all__ = [
     "CheckpointExistsError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "PlacementFn",
     "ReadStats",
+    "ReplicaMismatchError",
     "ShardLoadPlanner",
     "ShardReader",
     "ShardSavePlanner",
     "ShardWriter",
     "UnsafeCheckpointError",
+    "checkpoint_state_dict",
     "clear_metadata_cache",
+    "with_checkpoint_placements",
 ]

@@ -9,6 +9,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.formats.index import dtype_name
+from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.megatron.describe import describe_source
+from dcp_ext.megatron.detect import open_source
+from dcp_ext.megatron.torch_dist import torch_dist_view
 from dcp_ext.storage.catalog import read_catalog
 from dcp_ext.storage.location import Location
 
@@ -19,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def describe(path: str) -> dict[str, Any]:
-    catalog = read_catalog(Location(path))
+    location, megatron = Location(path), MegatronOptions(allow_incomplete=True)
+    source = open_source(location, megatron, cached=False)
+    if source is not None:  # Megatron zarr / legacy
+        return describe_source(source)
+    catalog = torch_dist_view(location, read_catalog(location), megatron)
     keys = []
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -59,6 +67,6 @@ def main(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    source = "dcp_ext index" if info["index"] else ".metadata pickle (restricted)"
+    source = info.get("format") or ("dcp_ext index" if info["index"] else ".metadata pickle (restricted)")
     print(f"\n{len(info['keys'])} keys, {info['files']} files, {info['bytes']} bytes; metadata from {source}")
     return 0

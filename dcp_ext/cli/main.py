@@ -12,6 +12,7 @@ _COMMANDS = {
     "inspect": ("dcp_ext.cli.inspect_cmd", "list keys, dtypes, shapes, chunks, bytes and files"),
     "verify": ("dcp_ext.cli.verify_cmd", "check completeness, file sizes and every checksum"),
     "demo": ("dcp_ext.cli.demo", "multi-process FSDP2 save and resharded load on CPU"),
+    "convert": ("dcp_ext.cli.convert_cmd", "copy a DCP or Megatron (torch_dist, zarr, legacy) checkpoint to ours"),
 }
 
 

@@ -8,10 +8,10 @@ from typing import TextIO
 
 
 class ProgressBar:
-    def __init__(self, label: str, stream: TextIO = sys.stderr, min_seconds: float = 1.0):
+    def __init__(self, label: str, stream: TextIO | None = None, min_seconds: float = 1.0):
         self.label = label
-        self.stream = stream
-        self.enabled = stream.isatty()
+        self.stream = stream or sys.stderr  # looked up now: sys.stderr may be replaced (pytest capture)
+        self.enabled = self.stream.isatty()
         self.started = time.monotonic()
         self.min_seconds = min_seconds
         self.drawn = False

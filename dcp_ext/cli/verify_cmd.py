@@ -28,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: {name} is not referenced by the committed metadata (left by an interrupted save)")
     status = "OK" if report.ok else f"FAILED ({len(report.faults)} faults)"
     print(
-        f"{status}: {report.path}: {report.items_checked} items in {report.files} files, "
+        f"{status}: {report.path} (save {report.save_id}): {report.items_checked} items in {report.files} files, "
         f"{report.bytes_checked} bytes checked"
         + (f", {report.items_without_checksum} stock bytes items carry no checksum" if report.items_without_checksum else "")
     )

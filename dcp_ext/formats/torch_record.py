@@ -103,9 +103,10 @@ class _ProbedRecord(io.RawIOBase):
         self.length = length
         self.read_at = read_at
         self.head = read_at(0, min(length, PROBE_BYTES))
-        tail_start = max(0, length - PROBE_BYTES)
-        self.tail_start = tail_start
-        self.tail = self.head[tail_start:] if tail_start < len(self.head) else read_at(tail_start, length - tail_start)
+        self.tail_start = max(0, length - PROBE_BYTES)
+        overlap = self.head[self.tail_start :]  # a record under 2 * PROBE_BYTES: the ends overlap
+        rest = self.tail_start + len(overlap)
+        self.tail = overlap + (read_at(rest, length - rest) if rest < length else b"")
         self.pos = 0
 
     def readable(self) -> bool:

@@ -48,9 +48,15 @@ def check_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem], s
         raise CorruptCheckpointError(f"{source}: state_dict_metadata is not a dict")
     for index, item in items.items():
         check_relative_name(source, item.relative_path, index.fqn)
-        if not _non_negative_ints((item.offset, item.length)) or type(item.payload_offset) is not int:
+        payload = item.payload_offset
+        if (
+            not _non_negative_ints((item.offset, item.length))
+            or type(payload) is not int
+            or not (payload == -1 or item.offset <= payload <= item.offset + item.length)
+        ):
             raise CorruptCheckpointError(
-                f"{source}: key {index.fqn!r} has an invalid byte range offset={item.offset!r} length={item.length!r}"
+                f"{source}: key {index.fqn!r} has an invalid byte range offset={item.offset!r} "
+                f"length={item.length!r} tensor data at {payload!r}"
             )
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(fqn, str):
@@ -90,5 +96,6 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, items: dict[MetadataIndex
         if nbytes > item.length or (item.payload_offset >= 0 and item.payload_offset + nbytes > item.offset + item.length):
             raise CorruptCheckpointError(
                 f"{source}: tensor {fqn!r} chunk at {list(offsets)} needs {nbytes} bytes but its record in "
-                f"{item.relative_path!r} holds {item.length}"
+                f"{item.relative_path!r} (bytes [{item.offset}, {item.offset + item.length}), tensor data at "
+                f"{item.payload_offset}) cannot hold them"
             )

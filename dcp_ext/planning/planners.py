@@ -2,18 +2,62 @@
 
 from __future__ import annotations
 
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
 
-from dcp_ext.planning.dedup import balanced_dedup
+from dcp_ext.errors import UnsafeCheckpointError
+from dcp_ext.formats.safe_load import safe_torch_load
+
+from dcp_ext.planning.dedup import balanced_dedup, chunk_view, refine_overlapping_chunks
+from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
 
 
-class ShardSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner with replicated items balanced by bytes across their holders."""
+class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
+    """DefaultSavePlanner with replicated items balanced by bytes across their holders,
+    and partially overlapping chunks (nonuniform TP) refined so each element is saved once.
+    ``placement_fn``/``mesh``/``check_replicas``: see PlacementSaveMixin."""
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        return balanced_dedup(all_plans)
+        return balanced_dedup(refine_overlapping_chunks(all_plans))
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.SHARD:  # possibly a refined sub-chunk
+            return chunk_view(self.state_dict[write_item.index.fqn], write_item)
+        return super().resolve_data(write_item)
 
 
-class ShardLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner; the documented default load planner for dcp_ext readers."""
+class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
+    """DefaultLoadPlanner that never runs code from a checkpoint's non-tensor items.
+
+    DCP's ``load_bytes`` decodes them with ``torch.load(weights_only=False)``: a hostile
+    checkpoint runs arbitrary code there. We use ``weights_only=True`` with a small
+    allowlist (containers, numbers, strings, tensors, ``argparse.Namespace``, numpy arrays,
+    and classes registered with ``torch.serialization.add_safe_globals``);
+    ``allow_unsafe_bytes=True`` restores DCP's behaviour for checkpoints you trust. ``placement_fn``/``mesh``: see PlacementLoadMixin.
+    """
+
+    def __init__(self, *args: Any, allow_unsafe_bytes: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allow_unsafe_bytes = allow_unsafe_bytes
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        if self.allow_unsafe_bytes:
+            obj = torch.load(value, weights_only=False)
+        else:
+            try:
+                obj = safe_torch_load(value.getvalue(), f"key {fqn!r}")
+            except UnsafeCheckpointError as exc:
+                raise UnsafeCheckpointError(
+                    f"{exc}; register classes you trust with torch.serialization.add_safe_globals, "
+                    "or pass ShardLoadPlanner(allow_unsafe_bytes=True) for a checkpoint you trust"
+                ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

@@ -10,6 +10,7 @@ checkpoint rewritten in place is re-read, never served stale.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.index import INDEX_NAME, StoredItem, decode_index
+from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel, parse_tensor_record
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
@@ -37,6 +39,8 @@ class Catalog:
     metadata: Metadata
     items: dict[MetadataIndex, StoredItem]
     indexed: bool  # True when our index supplied payload offsets and checksums
+    committed: bool  # False: our index vouches for .metadata but no commit marker does
+    signature: tuple[Any, ...]  # of .metadata, index and marker when read (see catalog_signature)
     _chunks: dict[MetadataIndex, tuple[TensorStorageMetadata, ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,13 +79,18 @@ class Catalog:
         """Parse a stock record's zip headers (two small reads) and remember the result."""
         item = self.item(index)
         where = f"{self.url}: file {item.relative_path!r} key {index.fqn!r}"
-        with location.open_reader(item.relative_path, index.fqn) as reader:
-            def read_at(offset: int, n: int) -> bytes:
-                buf = bytearray(n)
-                reader.read_into(item.offset + offset, [memoryview(buf)])
-                return bytes(buf)
+        try:
+            with location.open_reader(item.relative_path, index.fqn) as reader:
+                def read_at(offset: int, n: int) -> bytes:
+                    buf = bytearray(n)
+                    reader.read_into(item.offset + offset, [memoryview(buf)])
+                    return bytes(buf)
 
-            layout = parse_tensor_record(item.length, read_at, where)
+                layout = parse_tensor_record(item.length, read_at, where)
+        except FileNotFoundError:
+            raise  # the caller tells a lost file from one a concurrent save retired
+        except OSError as exc:
+            raise CheckpointError(f"{where}: cannot read the record ({exc})") from exc
         md, chunk = self.chunk(index)
         if layout.dtype != md.properties.dtype or layout.shape != tuple(chunk.sizes):
             raise CorruptCheckpointError(
@@ -93,31 +102,63 @@ class Catalog:
         return layout
 
 
-def read_catalog(location: Location) -> Catalog:
-    """Read ``.metadata`` (and the index when it matches) from ``location``."""
-    source = f"{location.url}/{METADATA_NAME}"
+def _read_optional(location: Location, name: str) -> bytes | None:
     try:
-        metadata_bytes = location.read_bytes(METADATA_NAME)
+        return location.read_bytes(name)
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{location.url}: no committed checkpoint here ({METADATA_NAME} is missing)"
-        ) from None
+        return None
+
+
+def read_catalog(location: Location) -> Catalog:
+    """Read ``.metadata``, the index when it belongs to it, and the commit marker.
+
+    The index is used only when it records this very ``.metadata`` (size and CRC32C; an
+    index of an interrupted newer save does not); a commit marker that commits this
+    ``.metadata`` must then also commit the index bytes, else the index is corrupt. ``Catalog.committed`` is False when our index vouches for
+    ``.metadata`` but no marker commits it: a save into a store without atomic rename
+    was interrupted or is running (checkpoints without our index are stock: committed).
+    """
+    source = f"{location.url}/{METADATA_NAME}"
+    signature = catalog_signature(location)
+    metadata_bytes = _read_optional(location, METADATA_NAME)
+    if metadata_bytes is None:
+        raise CheckpointError(f"{location.url}: no committed checkpoint here ({METADATA_NAME} is missing)")
+    index_bytes = _read_optional(location, INDEX_NAME)
+    marker_bytes = _read_optional(location, MARKER_NAME)
+    marker = None
+    if marker_bytes is not None:
+        with contextlib.suppress(CorruptCheckpointError):  # a torn marker commits nothing
+            marker = CommitMarker.decode(marker_bytes, f"{location.url}/{MARKER_NAME}")
+    marked = marker is not None and marker.commits_metadata(metadata_bytes)
     indexed = None
-    if location.exists(INDEX_NAME):
-        candidate = decode_index(location.read_bytes(INDEX_NAME), f"{location.url}/{INDEX_NAME}")
+    if index_bytes is not None:
+        candidate = decode_index(index_bytes, f"{location.url}/{INDEX_NAME}")
         if candidate.metadata_size == len(metadata_bytes) and candidate.metadata_crc32c == crc32c.crc32c(metadata_bytes):
             indexed = candidate
+            if marked and not marker.commits_index(index_bytes):
+                raise CorruptCheckpointError(
+                    f"{location.url}/{INDEX_NAME}: index bytes differ from what the commit marker recorded "
+                    f"(corrupt); delete {INDEX_NAME} to load from {METADATA_NAME} alone"
+                )
     if indexed is not None and indexed.metadata is not None:
         metadata, items = indexed.metadata, indexed.items
     else:
         metadata = load_metadata_pickle(metadata_bytes, source)
-        items = indexed.items if indexed is not None else items_from_storage_data(metadata, source)
-    check_metadata(metadata, items, source)
-    return Catalog(location.url, metadata, items, indexed is not None)
+        items = indexed.items if indexed is not None else None
+    try:
+        if items is None:
+            items = items_from_storage_data(metadata, source)
+        check_metadata(metadata, items, source)
+        catalog = Catalog(location.url, metadata, items, indexed is not None, marked or indexed is None, signature)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # untrusted structure: whatever validation trips over is corruption
+        raise CorruptCheckpointError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
+    return catalog
 
 
 def catalog_signature(location: Location) -> tuple[Any, ...]:
-    return (location.signature(METADATA_NAME), location.signature(INDEX_NAME))
+    return tuple(location.signature(name) for name in (METADATA_NAME, INDEX_NAME, MARKER_NAME))
 
 
 class MetadataCache:
@@ -157,13 +198,12 @@ class MetadataCache:
         with key_lock:
             catalog = None
             for _ in range(_SIGNATURE_RETRIES):
-                before = catalog_signature(location)
-                hit = self._lookup(key, before)
+                hit = self._lookup(key, catalog_signature(location))
                 if hit is not None:
                     return hit, False
                 catalog = read_catalog(location)
-                if catalog_signature(location) == before:  # not rewritten while we read
-                    self._store(key, before, catalog)
+                if catalog_signature(location) == catalog.signature:  # not rewritten while we read
+                    self._store(key, catalog.signature, catalog)
                     return catalog, True
             assert catalog is not None
             return catalog, True

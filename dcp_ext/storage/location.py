@@ -107,6 +107,7 @@ class Location:
     def listdir(self) -> list[str]:
         if self.fs is None:
             return os.listdir(self.root) if os.path.isdir(self.root) else []
+        self.fs.invalidate_cache(self.root)  # other processes write here too
         try:
             return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
@@ -123,12 +124,7 @@ class Location:
     @contextlib.contextmanager
     def open_reader(self, name: str, key: str = "") -> Iterator[RangeReader]:
         full = self.path(name, key)
-        try:
-            reader = LocalRangeReader(full) if self.fs is None else FsspecRangeReader(self.fs.open(full, "rb"))
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{self.url}: data file {name!r}{f' (key {key!r})' if key else ''} is missing"
-            ) from None
+        reader = LocalRangeReader(full) if self.fs is None else FsspecRangeReader(self.fs.open(full, "rb"))
         try:
             yield reader
         finally:

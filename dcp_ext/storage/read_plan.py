@@ -58,6 +58,24 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return storage_bytes(tensor)[start : start + tensor.numel() * tensor.element_size()]
 
 
+class Scratch:
+    """A temporary tensor allocated when its request runs and dropped once copied out,
+    so a load holds temporary memory only for the requests in flight."""
+
+    def __init__(self, shape: tuple[int, ...] | int, dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+        self._tensor: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.empty(self.shape, dtype=self.dtype)
+        return self._tensor
+
+    def release(self) -> torch.Tensor:
+        tensor, self._tensor = self.get(), None
+        return tensor
+
+
 def _direct_capable(dest: torch.Tensor, dtype: torch.dtype) -> bool:
     return dest.device.type == "cpu" and dest.dtype == dtype and not dest.is_conj() and not dest.is_neg()
 
@@ -179,13 +197,13 @@ def _dense_request(box: BoxRead) -> Request:
     block = box.dest[(0,) * outer] if outer else box.dest
     if _direct_capable(box.dest, dtype) and block.is_contiguous():
         return Request(box.path, box.key, ranges, lambda: _dest_runs(box.dest, outer, run_bytes))
-    temp = torch.empty(box.lengths, dtype=dtype)
+    temp = Scratch(box.lengths, dtype)
 
     def targets() -> list[memoryview]:
-        data = tensor_bytes(temp)
+        data = tensor_bytes(temp.get())
         return [data[i * run_bytes : (i + 1) * run_bytes] for i in range(len(ranges))]
 
-    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(temp))
+    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(temp.release()))
 
 
 def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryview]:
@@ -202,18 +220,18 @@ def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryvie
 def _span_request(box: BoxRead, first: int, last: int) -> Request:
     """Many tiny runs: read their enclosing span [first, last) once, copy the box out with strides."""
     itemsize = box.layout.dtype.itemsize
-    span = torch.empty(last - first, dtype=box.layout.dtype)
+    span = Scratch(last - first, box.layout.dtype)
     ranges = [(box.base + first * itemsize, (last - first) * itemsize)]
-    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span)], lambda: box.copy_from(span, -first))
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get())], lambda: box.copy_from(span.release(), -first))
 
 
 def _storage_request(box: BoxRead) -> Request:
     """A record whose tensor is a strided view of its storage: read the storage, view, copy."""
     layout = box.layout
-    storage = torch.empty(layout.payload_nbytes // layout.dtype.itemsize, dtype=layout.dtype)
+    storage = Scratch(layout.payload_nbytes // layout.dtype.itemsize, layout.dtype)
     ranges = [(box.base, layout.payload_nbytes)]
-    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(storage)],
-                   lambda: box.copy_from(storage, layout.storage_offset))
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(storage.get())],
+                   lambda: box.copy_from(storage.release(), layout.storage_offset))
 
 
 def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
@@ -221,7 +239,7 @@ def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
     layout = box.layout
     whole_chunk = box.lengths == layout.shape and layout.is_dense()
     direct = whole_chunk and _direct_capable(box.dest, layout.dtype) and box.dest.is_contiguous()
-    storage = box.dest if direct else torch.empty(layout.payload_nbytes // layout.dtype.itemsize, dtype=layout.dtype)
+    scratch = None if direct else Scratch(layout.payload_nbytes // layout.dtype.itemsize, layout.dtype)
     if item.checksum is not None:  # our index: CRC32C of the whole record
         check = Verification("crc32c", item.checksum, where)
         head = bytearray(layout.payload_offset)
@@ -233,11 +251,12 @@ def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
         ranges = [(box.base, layout.payload_nbytes)]
 
     def targets() -> list[memoryview]:
+        storage = box.dest if scratch is None else scratch.get()
         return [memoryview(head), tensor_bytes(storage), memoryview(tail)]
 
     def complete() -> None:
         check.check(targets())
-        if not direct:
-            box.copy_from(storage, layout.storage_offset)
+        if scratch is not None:
+            box.copy_from(scratch.release(), layout.storage_offset)
 
     return Request(item.relative_path, box.key, ranges, targets, complete)

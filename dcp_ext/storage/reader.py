@@ -11,14 +11,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.exchange.two_stage import DEFAULT_BUDGET_BYTES, TwoStageExchange
+from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.torch_record import TensorLayout
-from dcp_ext.storage.catalog import METADATA_CACHE, Catalog, read_catalog
+from dcp_ext.megatron.base import MegatronOptions, MegatronSource
+from dcp_ext.megatron.detect import open_source
+from dcp_ext.megatron.reading import read_source_items
+from dcp_ext.megatron.torch_dist import torch_dist_view
+from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, catalog_signature, read_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request, bytes_request, tensor_requests
 
@@ -50,7 +57,20 @@ class ShardReader(StorageReader):
         thread_count: parallel reads per rank (default: from the CPU count).
         verify_checksums: check every byte read against its recorded checksum.
         cache_metadata: share parsed metadata with every reader in this process.
+        require_commit_marker: refuse a checkpoint of ours whose commit marker is missing
+            or does not match ``.metadata`` (a save interrupted or still running). Default
+            None: required on stores without atomic rename (every fsspec URL), where the
+            marker is the commit point; local disks commit by rename. Stock checkpoints
+            carry no index and no marker and are always readable.
         storage_options: passed to fsspec for URLs.
+        megatron: how to read Megatron checkpoints (torch_dist, zarr, legacy mp_rank files),
+            which are detected from the directory; see ``dcp_ext.megatron.MegatronOptions``.
+        two_stage: read every stored byte range once per ``group`` and exchange it with
+            torch.distributed (see ``dcp_ext.exchange.two_stage``); needs an initialized
+            process group and applies to DCP checkpoints.
+        group: the process group for ``two_stage`` (default: the whole job; pass the
+            data-parallel group to mirror Megatron).
+        exchange_budget_bytes: bytes of stored data in flight per two-stage batch.
     """
 
     def __init__(
@@ -60,14 +80,25 @@ class ShardReader(StorageReader):
         thread_count: int | None = None,
         verify_checksums: bool = False,
         cache_metadata: bool = True,
+        require_commit_marker: bool | None = None,
         storage_options: dict[str, Any] | None = None,
+        megatron: MegatronOptions | None = None,
+        two_stage: bool = False,
+        group: dist.ProcessGroup | None = None,
+        exchange_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ):
         super().__init__()
         self.storage_options = storage_options
+        self.megatron = megatron or MegatronOptions()
+        self.source: MegatronSource | None = None  # set for zarr / legacy Megatron directories
         self.location = Location(path, storage_options)
         self.thread_count = thread_count or default_thread_count()
         self.verify_checksums = verify_checksums
         self.cache_metadata = cache_metadata
+        self.require_commit_marker = require_commit_marker
+        self.two_stage = two_stage
+        self.group = group
+        self.exchange_budget_bytes = exchange_budget_bytes
         self.stats = ReadStats()
         self.catalog: Catalog | None = None
         self.rank = 0
@@ -78,16 +109,23 @@ class ShardReader(StorageReader):
         if checkpoint_id:
             self.location = Location(checkpoint_id, self.storage_options)
         self.catalog = None
+        self.source = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self.stats = ReadStats()
         started = time.perf_counter()
+        self.source = open_source(self.location, self.megatron, self.cache_metadata)
+        if self.source is not None:
+            self.stats.seconds += time.perf_counter() - started
+            return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=uuid.uuid4().hex))
         if self.cache_metadata:
             self.catalog, was_read = METADATA_CACHE.open(self.location)
         else:
             self.catalog, was_read = read_catalog(self.location), True
         self.stats.metadata_reads += int(was_read)
         self.stats.seconds += time.perf_counter() - started
+        self._check_committed(self.catalog)
+        self.catalog = torch_dist_view(self.location, self.catalog, self.megatron)
         metadata = self.catalog.metadata
         storage_meta = dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=uuid.uuid4().hex)
         return dataclasses.replace(metadata, storage_meta=storage_meta)
@@ -95,7 +133,7 @@ class ShardReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
-        if self.catalog is None:
+        if self.catalog is None and self.source is None:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -106,16 +144,37 @@ class ShardReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
+        if self.source is not None:
+            bytes_read, files = read_source_items(self.source, plan.items, planner, self.thread_count)
+            return self._finish_read(plan, bytes_read, files, started)
+        requests: list[Request] = []
+        commits: list[Callable[[], None]] = []
+        if self.two_stage and dist.is_initialized():
+            exchange = TwoStageExchange(self.location, self.group, self.exchange_budget_bytes, self.thread_count)
+            try:
+                self._plan_requests(plan, planner, requests, commits)
+            except Exception as exc:  # every rank must join the exchange, which shares the failure
+                bytes_read, files = exchange.run([], planning_error=exc)
+            else:
+                bytes_read, files = exchange.run(requests)
+        else:
+            self._plan_requests(plan, planner, requests, commits)
+            bytes_read, files = self._execute(requests)
+        for commit_item in commits:
+            commit_item()
+        return self._finish_read(plan, bytes_read, files, started)
+
+    def _plan_requests(
+        self, plan: LoadPlan, planner: LoadPlanner, requests: list[Request], commits: list[Callable[[], None]]
+    ) -> None:
+        """Byte-range requests for the plan's items, and what to commit once they land."""
         catalog = self._require_catalog()
         self._check_files(catalog, plan.items)
         layouts = self._layouts(catalog, plan.items)
-        requests: list[Request] = []
-        commits: list[Callable[[], None]] = []
         for read_item in plan.items:
             requests.extend(self._plan_item(catalog, read_item, planner, layouts, commits))
-        bytes_read, files = self._execute(requests)
-        for commit_item in commits:
-            commit_item()
+
+    def _finish_read(self, plan: LoadPlan, bytes_read: int, files: set[str], started: float) -> Future[None]:
         self.stats.bytes_read += bytes_read
         self.stats.files_opened += len(files)
         self.stats.items_read += len(plan.items)
@@ -135,6 +194,27 @@ class ShardReader(StorageReader):
         assert self.catalog is not None
         return self.catalog
 
+    def _check_committed(self, catalog: Catalog) -> None:
+        required = not self.location.is_local if self.require_commit_marker is None else self.require_commit_marker
+        if required and not catalog.committed:
+            self.catalog = None
+            raise CheckpointError(
+                f"{self.location.url}: checkpoint is not committed: no commit marker ({MARKER_NAME}) matches "
+                f"{METADATA_NAME}, so a save into it was interrupted or is still running. Pass "
+                "require_commit_marker=False to load it anyway (its data files were all written before "
+                f"{METADATA_NAME})"
+            )
+
+    def _missing(self, path: str, key: str) -> CheckpointError:
+        """The error for a data file that is gone: a concurrent save retired it, or it was lost."""
+        catalog = self._require_catalog()
+        if catalog_signature(self.location) != catalog.signature:
+            return CheckpointError(
+                f"{self._where(path, key)}: data file is gone because a newer save was committed into "
+                "this directory while the load ran; load again to get the new checkpoint"
+            )
+        return CheckpointError(f"{self._where(path, key)}: data file is missing")
+
     def _where(self, path: str, key: str) -> str:
         return f"{self.location.url}: file {path!r} key {key!r}"
 
@@ -149,7 +229,7 @@ class ShardReader(StorageReader):
                 sizes[path] = self.location.size(path)
             size = sizes[path]
             if size is None:
-                raise CheckpointError(f"{self._where(path, read_item.storage_index.fqn)}: data file is missing")
+                raise self._missing(path, read_item.storage_index.fqn)
             if stored.offset + stored.length > size:
                 raise CorruptCheckpointError(
                     f"{self._where(path, read_item.storage_index.fqn)}: item needs bytes "
@@ -161,9 +241,15 @@ class ShardReader(StorageReader):
         indices = {i.storage_index for i in items if i.type != LoadItemType.BYTE_IO}
         layouts = {index: catalog.known_layout(index) for index in indices}
         missing = [index for index, layout in layouts.items() if layout is None]
+        def probe(index: Any) -> TensorLayout:
+            try:
+                return catalog.parse_layout(self.location, index)
+            except FileNotFoundError:
+                raise self._missing(catalog.item(index).relative_path, index.fqn) from None
+
         if missing:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp_ext-probe") as pool:
-                for index, layout in zip(missing, pool.map(lambda i: catalog.parse_layout(self.location, i), missing)):
+                for index, layout in zip(missing, pool.map(probe, missing)):
                     layouts[index] = layout
         return layouts
 
@@ -221,9 +307,14 @@ class ShardReader(StorageReader):
         path = task[0].path
         runs = _coalesce(task)
         total = 0
-        with self.location.open_reader(path, task[0].key) as reader:
-            for offset, buffers in runs:
-                total += reader.read_into(offset, buffers)
+        try:
+            with self.location.open_reader(path, task[0].key) as reader:
+                for offset, buffers in runs:
+                    total += reader.read_into(offset, buffers)
+        except FileNotFoundError:
+            raise self._missing(path, task[0].key) from None
+        except OSError as exc:
+            raise CheckpointError(f"{self._where(path, task[0].key)}: cannot read ({exc})") from exc
         for request in task:
             request.complete()
         return total

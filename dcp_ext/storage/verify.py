@@ -32,6 +32,8 @@ class VerifyReport:
     files: int = 0
     unreferenced_files: list[str] = field(default_factory=list)
     indexed: bool = False
+    committed: bool = False  # see Catalog.committed; a fault only where the marker is the commit point
+    save_id: str | None = None  # which save this checkpoint is (from its storage meta)
 
     @property
     def ok(self) -> bool:
@@ -72,6 +74,12 @@ def verify_checkpoint(
         report.faults.append(str(exc))
         return report
     report.indexed = catalog.indexed
+    report.committed = catalog.committed
+    report.save_id = getattr(catalog.metadata.storage_meta, "save_id", None)
+    if not catalog.committed and not location.is_local:
+        report.faults.append(
+            f"{location.url}: not committed (no commit marker matches .metadata: a save was interrupted or is running)"
+        )
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             report.faults.extend(chunk_faults(fqn, md))
@@ -119,7 +127,7 @@ def _check_item(catalog: Catalog, location: Location, reader, index: MetadataInd
     elif index.offset is not None:  # stock tensor record: the zip entry CRC-32
         try:
             layout = catalog.parse_layout(location, index)  # the index does not keep the zip CRC
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:
             return str(exc)
         value = _stream_crc(reader, item.offset + layout.payload_offset, layout.payload_nbytes, zlib.crc32)
         expected, algorithm = layout.payload_crc32, "crc32"

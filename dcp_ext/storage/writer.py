@@ -18,7 +18,7 @@ from torch.futures import Future
 from dcp_ext.errors import CheckpointError, CheckpointExistsError
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.storage.catalog import METADATA_NAME
-from dcp_ext.storage.commit import commit, remove_unreferenced
+from dcp_ext.storage.commit import commit, crash_point, remove_unreferenced
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.records import RecordSink, write_bytes, write_tensor
 
@@ -120,6 +120,7 @@ class ShardWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: FilePrefix = plan.storage_data
+        crash_point("before-data")
         buckets = split_by_bytes(plan.items, self.thread_count)
         results: list[WriteResult] = []
         if buckets:
@@ -135,6 +136,7 @@ class ShardWriter(StorageWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        crash_point("after-data")
         stored: dict[MetadataIndex, StoredItem] = {
             wr.index: wr.storage_data for rank_results in results for wr in rank_results
         }
@@ -144,7 +146,7 @@ class ShardWriter(StorageWriter):
         metadata_bytes = pickle.dumps(metadata)
         crc = crc32c.crc32c(metadata_bytes)
         index_bytes = encode_index(metadata, stored, metadata_bytes, crc)
-        commit(self.location, self.save_id[:12], metadata_bytes, index_bytes, self.sync_files)
+        commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files)
         remove_unreferenced(self.location, {item.relative_path for item in stored.values()})
 
     @classmethod
@@ -163,4 +165,6 @@ class ShardWriter(StorageWriter):
                 else:
                     stored = write_tensor(sink, name, data, f"{self.location.url}/{name} key {item.index.fqn!r}")
                 results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
+                crash_point("mid-file")
+        crash_point("after-file")
         return results

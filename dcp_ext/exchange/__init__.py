@@ -1,0 +1,1 @@
+"""Exchange layer: moving checkpoint bytes between ranks with torch.distributed."""

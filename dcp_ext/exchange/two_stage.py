@@ -1,0 +1,263 @@
+"""Two-stage loading: each stored byte range is read once per group, then exchanged.
+
+When DP replicas (or any ranks) need the same bytes, a plain load makes every one of them
+read those bytes from storage. Here every rank first publishes the byte ranges its
+requests need; all ranks compute the same plan: overlapping ranges merge into segments
+(cut at ``SEGMENT_BYTES``), and each segment is read by one of the ranks that need it,
+largest segments first to the least loaded rank. Segments are processed in batches of at
+most ``budget_bytes``: the assigned ranks read them, every rank learns whether all reads
+succeeded (so a failed read raises the same error everywhere instead of hanging the
+others), the readers send each other rank exactly the bytes it needs (point-to-point,
+gloo or NCCL), and each rank copies the bytes into its requests' destinations.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dcp_ext.errors import CheckpointError
+from dcp_ext.storage.location import Location
+from dcp_ext.storage.read_plan import Request
+
+SEGMENT_BYTES = 32 << 20  # largest unit one rank reads and sends
+DEFAULT_BUDGET_BYTES = 256 << 20  # bytes of segments in flight per batch
+
+
+@dataclass
+class Segment:
+    """A run of stored bytes one rank reads for everyone who needs part of it."""
+
+    path: str
+    start: int
+    end: int
+    needs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rank -> [(start, end)]
+    reader: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def wanted(self, rank: int) -> list[tuple[int, int]]:
+        """The parts of this segment ``rank`` needs: clipped, merged, in file order."""
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted((max(a, self.start), min(b, self.end)) for a, b in self.needs.get(rank, [])):
+            if a >= b:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+
+def plan_segments(needs: Sequence[Sequence[tuple[str, int, int]]]) -> list[Segment]:
+    """Same result on every rank: merged, size-capped segments with balanced readers."""
+    by_path: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for rank, ranges in enumerate(needs):
+        for path, offset, length in ranges:
+            if length:
+                by_path[path].append((offset, offset + length, rank))
+    segments: list[Segment] = []
+    for path in sorted(by_path):
+        spans = sorted(by_path[path])
+        start, end, members = spans[0][0], spans[0][1], [spans[0]]
+        for span in spans[1:]:
+            if span[0] < end:  # overlaps the open run: the same stored bytes
+                end = max(end, span[1])
+                members.append(span)
+            else:
+                segments.extend(_cut(path, start, end, members))
+                start, end, members = span[0], span[1], [span]
+        segments.extend(_cut(path, start, end, members))
+    _assign_readers(segments, len(needs))
+    return segments
+
+
+def _cut(path: str, start: int, end: int, members: list[tuple[int, int, int]]) -> list[Segment]:
+    pieces = []
+    for a in range(start, end, SEGMENT_BYTES):
+        b = min(end, a + SEGMENT_BYTES)
+        segment = Segment(path, a, b)
+        for lo, hi, rank in members:
+            if lo < b and a < hi:
+                segment.needs.setdefault(rank, []).append((lo, hi))
+        pieces.append(segment)
+    return pieces
+
+
+def _assign_readers(segments: list[Segment], world: int) -> None:
+    load = [0] * world
+    for segment in sorted(segments, key=lambda s: (-s.nbytes, s.path, s.start)):
+        segment.reader = min(segment.needs, key=lambda r: (load[r], r))
+        load[segment.reader] += segment.nbytes
+
+
+def _batches(segments: list[Segment], budget: int) -> list[list[int]]:
+    batches: list[list[int]] = [[]]
+    size = 0
+    for n, segment in enumerate(segments):
+        if batches[-1] and size + segment.nbytes > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(n)
+        size += segment.nbytes
+    return [b for b in batches if b]
+
+
+@dataclass
+class _Piece:
+    """Part of a request's target memory that receives bytes [offset, offset + len)."""
+
+    request: int
+    offset: int
+    view: memoryview
+
+
+class TwoStageExchange:
+    """Runs one rank's requests through a group-wide read-once-and-exchange."""
+
+    def __init__(self, location: Location, group: dist.ProcessGroup | None, budget_bytes: int, thread_count: int):
+        self.location = location
+        self.group = group
+        self.budget_bytes = budget_bytes
+        self.thread_count = thread_count
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def run(self, requests: list[Request], planning_error: BaseException | None = None) -> tuple[int, set[str]]:
+        """Fill every request; returns (bytes this rank read from storage, files it opened).
+
+        Every rank must call this, even one whose planning failed (pass the error): the
+        failure is shared in the first collective and raised on every rank alike.
+        """
+        mine = [(r.path, offset, length) for r in requests for offset, length in r.ranges]
+        published = f"{type(planning_error).__name__}: {planning_error}" if planning_error else mine
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, published, group=self.group)
+        self._raise_if_failed([e if isinstance(e, str) else None for e in everyone], "planning the load")
+        segments = plan_segments(everyone)
+        pieces = _Pieces(requests)
+        bytes_read, files = 0, set()
+        for batch in _batches(segments, self.budget_bytes):
+            buffers, read, error = self._read(segments, batch)
+            self._agree(error)
+            bytes_read += read
+            files.update(segments[n].path for n in batch if segments[n].reader == self.rank)
+            received = self._exchange(segments, batch, buffers)
+            for n in batch:
+                pieces.fill(segments[n], buffers.get(n), received.get(n), self.rank)
+        pieces.finish()
+        return bytes_read, files
+
+    def _read(self, segments: list[Segment], batch: list[int]) -> tuple[dict[int, torch.Tensor], int, str | None]:
+        """Read this rank's segments of the batch; errors are reported, not raised."""
+        mine = [n for n in batch if segments[n].reader == self.rank]
+        buffers = {n: torch.empty(segments[n].nbytes, dtype=torch.uint8) for n in mine}
+
+        def read(n: int) -> int:
+            segment = segments[n]
+            with self.location.open_reader(segment.path) as reader:
+                return reader.read_into(segment.start, [memoryview(buffers[n].numpy())])
+
+        try:
+            with ThreadPoolExecutor(max(1, min(self.thread_count, len(mine)))) as pool:
+                return buffers, sum(pool.map(read, mine)), None
+        except Exception as exc:  # shared with every rank below, then raised everywhere
+            return buffers, 0, f"{type(exc).__name__}: {exc}"
+
+    def _agree(self, error: str | None) -> None:
+        errors: list[str | None] = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        self._raise_if_failed(errors, "reading from storage")
+
+    def _raise_if_failed(self, errors: list[str | None], phase: str) -> None:
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        if failed:
+            detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
+            raise CheckpointError(f"{self.location.url}: two-stage load failed {phase} ({detail})")
+
+    def _exchange(
+        self, segments: list[Segment], batch: list[int], buffers: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Readers send each needing rank its bytes; returns what this rank received."""
+        ops, received = [], {}
+        for n in batch:
+            segment = segments[n]
+            if segment.reader == self.rank:
+                for rank in segment.needs:
+                    if rank != self.rank:
+                        payload = torch.cat([buffers[n][a - segment.start : b - segment.start] for a, b in segment.wanted(rank)])
+                        ops.append(dist.P2POp(dist.isend, payload, self._peer(rank), self.group, tag=n))
+            elif self.rank in segment.needs:
+                size = sum(b - a for a, b in segment.wanted(self.rank))
+                received[n] = torch.empty(size, dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, received[n], self._peer(segment.reader), self.group, tag=n))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received
+
+    def _peer(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+
+class _Pieces:
+    """This rank's request targets, indexed by file position, filled segment by segment."""
+
+    def __init__(self, requests: list[Request]):
+        self.requests = requests
+        self.remaining = [r.nbytes for r in requests]
+        self.by_path: dict[str, list[_Piece]] = defaultdict(list)
+        for index, request in enumerate(requests):
+            targets = iter(request.targets())
+            for offset, length in request.ranges:
+                while length > 0:
+                    view = next(targets)
+                    self.by_path[request.path].append(_Piece(index, offset, view))
+                    offset += view.nbytes
+                    length -= view.nbytes
+        self.starts = {}
+        for path, pieces in self.by_path.items():
+            pieces.sort(key=lambda p: p.offset)
+            self.starts[path] = [p.offset for p in pieces]
+
+    def fill(self, segment: Segment, whole: torch.Tensor | None, packed: torch.Tensor | None, rank: int) -> None:
+        """Copy the segment's bytes (read here, or received packed) into overlapping pieces."""
+        if whole is None and packed is None:
+            return
+        if whole is not None:
+            source, position = memoryview(whole.numpy()), {segment.start: 0}
+            spans = [(segment.start, segment.end)]
+        else:
+            source, position, cursor = memoryview(packed.numpy()), {}, 0
+            spans = segment.wanted(rank)
+            for a, b in spans:
+                position[a] = cursor
+                cursor += b - a
+        pieces, starts = self.by_path[segment.path], self.starts[segment.path]
+        for a, b in spans:
+            first = max(0, bisect.bisect_right(starts, a) - 1)
+            for piece in pieces[first:]:
+                if piece.offset >= b:
+                    break
+                lo, hi = max(a, piece.offset), min(b, piece.offset + piece.view.nbytes)
+                if lo >= hi:
+                    continue
+                src = position[a] + lo - a
+                piece.view[lo - piece.offset : hi - piece.offset] = source[src : src + hi - lo]
+                self.remaining[piece.request] -= hi - lo
+                if self.remaining[piece.request] == 0:
+                    self.requests[piece.request].complete()
+
+    def finish(self) -> None:
+        """Every byte of every request must have arrived (a bug otherwise, never silent)."""
+        for request, left in zip(self.requests, self.remaining):
+            if left:
+                raise CheckpointError(f"two-stage load left {left} bytes of {request.path!r} key {request.key!r} unfilled")

@@ -1,0 +1,52 @@
+"""``load_common_state(path)``: Megatron's non-sharded state (args, iteration, ...) without plain pickle."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcp_ext.errors import CheckpointError
+from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.megatron.detect import detect_format, open_source
+from dcp_ext.megatron.legacy import LegacySource
+from dcp_ext.formats.safe_load import safe_torch_load
+from dcp_ext.megatron.torch_dist import COMMON_PT, common_state_key
+from dcp_ext.storage.catalog import read_catalog
+from dcp_ext.storage.location import Location
+
+
+def load_common_state(
+    path: str | os.PathLike[str],
+    *,
+    options: MegatronOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The common state dict of a torch_dist, zarr or legacy Megatron checkpoint.
+
+    torch_dist/zarr: ``common.pt``, or (newer megatron-core) the ``common_state``
+    ShardedObject inside the DCP data; legacy: the non-model entries of the TP0/PP0 file
+    (``args``, ``iteration``, ``checkpoint_version``, ...). Loaded with
+    ``weights_only=True`` and a small allowlist (argparse.Namespace, numpy arrays).
+    """
+    location = Location(path, storage_options)
+    options = options or MegatronOptions()
+    kind = detect_format(location)
+    if kind == "legacy":
+        source = open_source(location, options)
+        assert isinstance(source, LegacySource)
+        return dict(source.common)
+    if location.exists(COMMON_PT):
+        return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}")
+    if kind == "dcp":
+        catalog = read_catalog(location)
+        key = common_state_key(catalog.metadata)
+        if key is not None:
+            item = catalog.item(MetadataIndex(key))
+            with location.open_reader(item.relative_path, key) as reader:
+                buf = bytearray(item.length)
+                reader.read_into(item.offset, [memoryview(buf)])
+            state = safe_torch_load(bytes(buf), f"{location.url}/{item.relative_path} key {key!r}")
+            return state[0] if isinstance(state, list) and len(state) == 1 else state
+    raise CheckpointError(f"{location.url}: no Megatron common state ({COMMON_PT} or a common_state object)")

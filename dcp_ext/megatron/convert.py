@@ -1,0 +1,94 @@
+"""Copy any checkpoint ShardReader can read (DCP, torch_dist, zarr, legacy) into a ShardWriter one.
+
+Streaming: the save plan is made from shapes alone (meta tensors); each item is read from
+the source only when the writer asks for it and dropped once written, so with one writer
+thread peak memory is about the largest tensor, not the model. Bytes items are copied as
+stored, never unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+
+from dcp_ext.formats.torch_record import numel
+from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.storage.reader import ShardReader
+from dcp_ext.storage.writer import ShardWriter
+
+
+@dataclass
+class ConvertReport:
+    keys: int
+    bytes: int
+
+
+class _RawBytesLoadPlanner(DefaultLoadPlanner):
+    """Keeps bytes items as the stored bytes instead of unpickling them."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.raw = value.read()
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Resolves each write item by reading it from the source at write time."""
+
+    def __init__(self, fetch: Callable[[str], torch.Tensor | io.BytesIO]):
+        super().__init__()
+        self.fetch = fetch
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        return self.fetch(write_item.index.fqn)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    options: MegatronOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> ConvertReport:
+    """Write every item of ``src`` to a new ShardWriter checkpoint at ``dst``."""
+    reader = ShardReader(src, megatron=options, storage_options=storage_options)
+    entries = reader.read_metadata().state_dict_metadata
+    sizes = {
+        fqn: numel(md.size) * md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 0
+        for fqn, md in entries.items()
+    }
+    total, done = sum(sizes.values()), 0
+
+    def fetch(fqn: str) -> torch.Tensor | io.BytesIO:
+        nonlocal done
+        md = entries[fqn]
+        if isinstance(md, TensorStorageMetadata):
+            state: dict[str, Any] = {fqn: torch.empty(md.size, dtype=md.properties.dtype)}
+            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner())
+            value: torch.Tensor | io.BytesIO = state[fqn]
+        else:
+            planner = _RawBytesLoadPlanner()
+            dcp.load({fqn: None}, storage_reader=reader, planner=planner)
+            value = io.BytesIO(planner.raw)
+        done += sizes[fqn]
+        if progress is not None:
+            progress(done, total)
+        return value
+
+    plan_state = {
+        fqn: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+        if isinstance(md, TensorStorageMetadata)
+        else io.BytesIO()
+        for fqn, md in entries.items()
+    }
+    writer = ShardWriter(dst, thread_count=1, storage_options=storage_options)
+    dcp.save(plan_state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
+    return ConvertReport(len(entries), total)

@@ -1,0 +1,178 @@
+"""Megatron ``torch_dist`` checkpoints: a DCP directory plus Megatron's own extras.
+
+They load through the ordinary catalog path; this module only adjusts what it finds:
+- a Megatron save is complete only once rank 0 wrote ``metadata.json`` (last);
+- distributed-optimizer tensors saved with a flattened range (megatron-core <= 0.14)
+  were stored under a reformulated shape ``[X/x, Y/y, Z/z, x*y*z]``; they are presented
+  with their original global shape, each stored range split into the boxes it covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.torch_record import TensorLayout, numel
+from dcp_ext.megatron.base import Box, IncompleteSaveError, MegatronOptions, tensor_metadata
+from dcp_ext.megatron.flat_range import flat_index, flat_range_boxes
+from dcp_ext.storage.location import Location
+
+if TYPE_CHECKING:
+    from dcp_ext.storage.catalog import Catalog
+
+METADATA_JSON = "metadata.json"
+COMMON_PT = "common.pt"
+COMMON_STATE_PREFIX = "common_state/shard_"
+REFORMULATED = "nd_reformulated_orig_global_shape"
+_PROBE_THREADS = 8
+
+_views: dict[int, tuple[Catalog, Catalog]] = {}  # id(raw catalog) -> (raw, view); raw kept alive
+_views_lock = threading.Lock()
+
+
+def is_megatron_catalog(location: Location, catalog: Catalog) -> bool:
+    """Megatron marks: ``mcore_data`` on the metadata, the common-state object, or ``common.pt``."""
+    metadata = catalog.metadata
+    if getattr(metadata, "mcore_data", None) is not None:
+        return True
+    if any(key.startswith(COMMON_STATE_PREFIX) for key in metadata.state_dict_metadata):
+        return True
+    return location.exists(COMMON_PT)
+
+
+def check_complete(location: Location, backend: str, options: MegatronOptions) -> None:
+    """Raise IncompleteSaveError unless ``metadata.json`` exists and names ``backend``."""
+    if not location.exists(METADATA_JSON):
+        if options.allow_incomplete:
+            return
+        raise IncompleteSaveError(
+            f"{location.url}: incomplete Megatron save: {METADATA_JSON} is missing (rank 0 writes it last, "
+            "after every shard); pass megatron=MegatronOptions(allow_incomplete=True) to load it anyway"
+        )
+    config = read_metadata_json(location)
+    if config.get("sharded_backend") != backend:
+        raise CorruptCheckpointError(
+            f"{location.url}/{METADATA_JSON}: sharded_backend is {config.get('sharded_backend')!r}, "
+            f"but the directory holds a {backend} checkpoint"
+        )
+
+
+def read_metadata_json(location: Location) -> dict[str, Any]:
+    try:
+        config = json.loads(location.read_bytes(METADATA_JSON))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{location.url}/{METADATA_JSON}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{location.url}/{METADATA_JSON}: expected a JSON object")
+    return config
+
+
+def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions) -> Catalog:
+    """The catalog a load should see: checked for completeness, flattened tensors restored.
+
+    Plain DCP checkpoints come back unchanged. The restored view is computed once per
+    parsed catalog (it probes record headers) and shared like the catalog itself.
+    """
+    if not is_megatron_catalog(location, catalog):
+        return catalog
+    check_complete(location, "torch_dist", options)
+    shapes = {
+        key: tuple(data[REFORMULATED])
+        for key, data in (getattr(catalog.metadata, "mcore_data", None) or {}).items()
+        if isinstance(data, dict) and data.get(REFORMULATED) is not None
+    }
+    if not shapes:
+        return catalog
+    with _views_lock:
+        cached = _views.get(id(catalog))
+    if cached is not None and cached[0] is catalog:
+        return cached[1]
+    view = _restore_flattened(location, catalog, shapes)
+    with _views_lock:
+        if len(_views) >= 16:
+            _views.pop(next(iter(_views)))
+        _views[id(catalog)] = (catalog, view)
+    return view
+
+
+def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, tuple[int, ...]]) -> Catalog:
+    metadata = catalog.metadata
+    indices = [
+        MetadataIndex(key, chunk.offsets)
+        for key in shapes
+        for chunk in _reformulated_md(catalog, key).chunks
+    ]
+    with ThreadPoolExecutor(_PROBE_THREADS, thread_name_prefix="dcp_ext-mcore") as pool:
+        layouts = dict(zip(indices, pool.map(lambda i: catalog.known_layout(i) or catalog.parse_layout(location, i), indices)))
+    entries = dict(metadata.state_dict_metadata)
+    items = {index: item for index, item in catalog.items.items() if index.fqn not in shapes}
+    for key, shape in shapes.items():
+        md = _reformulated_md(catalog, key)
+        local = _local_shape(catalog.url, key, shape, tuple(md.size))
+        chunks: list[Box] = []
+        for chunk in md.chunks:
+            index = MetadataIndex(key, chunk.offsets)
+            for offsets, sizes, item in _chunk_boxes(catalog, index, tuple(chunk.sizes), local, layouts[index]):
+                chunks.append((offsets, sizes))
+                items[MetadataIndex(key, torch.Size(offsets))] = item
+        entries[key] = tensor_metadata(md.properties, shape, chunks)
+    restored = Metadata(entries, metadata.planner_data, None, metadata.storage_meta, metadata.version)
+    caches = {f.name: f.default_factory() for f in dataclasses.fields(catalog) if f.default_factory is not dataclasses.MISSING}
+    return dataclasses.replace(catalog, metadata=restored, items=items, **caches)
+
+
+def _reformulated_md(catalog: Catalog, key: str) -> TensorStorageMetadata:
+    md = catalog.metadata.state_dict_metadata.get(key)
+    if not isinstance(md, TensorStorageMetadata):
+        raise CorruptCheckpointError(f"{catalog.url}: mcore_data names {key!r}, which is not a stored tensor")
+    return md
+
+
+def _local_shape(url: str, key: str, shape: tuple[int, ...], stored: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-rank block shape: global / fragmentation on every axis."""
+    grid = stored[:-1]
+    if len(grid) != len(shape) or any(g <= 0 or s % g for s, g in zip(shape, grid)):
+        raise CorruptCheckpointError(
+            f"{url}: key {key!r} is stored as {list(stored)}, which is no reformulation of {list(shape)}"
+        )
+    local = tuple(s // g for s, g in zip(shape, grid))
+    if numel(local) != stored[-1]:
+        raise CorruptCheckpointError(
+            f"{url}: key {key!r}: blocks of {list(local)} hold {numel(local)} elements, stored rows hold {stored[-1]}"
+        )
+    return local
+
+
+def _chunk_boxes(
+    catalog: Catalog, index: MetadataIndex, sizes: tuple[int, ...], local: tuple[int, ...], layout: TensorLayout
+) -> list[tuple[tuple[int, ...], tuple[int, ...], StoredItem]]:
+    """Boxes (in the original shape) of one stored flattened range, each with its byte range."""
+    where = f"{catalog.url}: key {index.fqn!r} chunk at {list(index.offset)}"
+    if any(s != 1 for s in sizes[:-1]) or (sizes[-1] > 1 and layout.stride[-1] != 1):
+        raise CorruptCheckpointError(f"{where}: a flattened range must be one contiguous row, found {list(sizes)}")
+    item = catalog.item(index)
+    itemsize = layout.dtype.itemsize
+    base = item.offset + layout.payload_offset + layout.storage_offset * itemsize
+    grid, start = tuple(index.offset[:-1]), index.offset[-1]
+    origin = tuple(g * n for g, n in zip(grid, local))
+    out = []
+    for offsets, box in flat_range_boxes(local, start, start + sizes[-1]):
+        begin = base + (flat_index(local, offsets) - start) * itemsize
+        stored = StoredItem(item.relative_path, begin, numel(box) * itemsize, payload_offset=begin)
+        out.append((tuple(o + p for o, p in zip(origin, offsets)), box, stored))
+    return out
+
+
+def common_state_key(metadata: Metadata) -> str | None:
+    """The bytes item holding the common state (newer megatron-core), if any."""
+    keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(COMMON_STATE_PREFIX))
+    return keys[0] if keys else None
+

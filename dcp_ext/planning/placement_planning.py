@@ -1,0 +1,81 @@
+"""Planner mixins: checkpoint placements and the replica check inside ShardSave/LoadPlanner.
+
+Mixins (rather than code in planners.py) keep the placement logic in one place that both
+planners share, on top of whatever else the planners do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.device_mesh import DeviceMesh
+
+from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict
+from dcp_ext.planning.replica_check import checked_plans, with_digests
+
+
+class _Placements:
+    """``placement_fn`` and ``mesh``, given together or not at all."""
+
+    def __init__(self, placement_fn: PlacementFn | None, mesh: DeviceMesh | None) -> None:
+        if (placement_fn is None) != (mesh is None):
+            raise ValueError("placement_fn and mesh go together: pass both or neither")
+        self.placement_fn = placement_fn
+        self.mesh = mesh
+
+    def apply(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.placement_fn is None or self.mesh is None:
+            return state_dict
+        return checkpoint_state_dict(state_dict, self.placement_fn, self.mesh)
+
+
+class PlacementSaveMixin:
+    """Save side: ``placement_fn``/``mesh`` re-lay tensors before planning; with
+    ``check_replicas`` (default) the coordinator refuses chunks declared by several ranks
+    with different data, which DCP would otherwise dedup silently."""
+
+    def __init__(
+        self,
+        *args: Any,
+        placement_fn: PlacementFn | None = None,
+        mesh: DeviceMesh | None = None,
+        check_replicas: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._placements = _Placements(placement_fn, mesh)
+        self.check_replicas = check_replicas
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(self._placements.apply(state_dict), storage_meta, is_coordinator)  # type: ignore[misc]
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()  # type: ignore[misc]
+        if not self.check_replicas or not plan.usable:
+            return plan
+        return with_digests(plan, self.lookup_object)  # type: ignore[attr-defined]
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return super().create_global_plan(checked_plans(all_plans, self._placements.mesh))  # type: ignore[misc]
+
+
+class PlacementLoadMixin:
+    """Load side: the same ``placement_fn``/``mesh`` as at save time, so every rank reads its
+    own shard straight into its parameters (the re-laid DTensors share their storage)."""
+
+    def __init__(
+        self, *args: Any, placement_fn: PlacementFn | None = None, mesh: DeviceMesh | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._placements = _Placements(placement_fn, mesh)
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(self._placements.apply(state_dict), metadata, is_coordinator)  # type: ignore[misc]
+        # Non-tensor items (param_groups, ...) must land in the caller's dict, not our copy.
+        self.original_state_dict = state_dict

@@ -1,0 +1,111 @@
+"""Save-time check that chunks DCP will dedup as replicas really hold the same data.
+
+DCP keeps one writer per (key, offsets) and never looks at the data, so ranks that declare
+the same chunk with different contents (EP experts under an FSDP-only DTensor, per-rank
+state under a shared key) produce a checkpoint that silently loads the wrong shard. Each
+rank attaches a small digest per chunk to its local plan; the coordinator compares them.
+The digest hashes up to ``SAMPLES`` evenly spaced elements (all of a small chunk), so the
+cost per chunk is constant however large the tensor is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+
+from dcp_ext.planning.placements import axis_name, describe_mesh
+
+SAMPLES = 1024
+ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
+
+
+class ReplicaMismatchError(ValueError):
+    """Ranks declare the same key and offsets with different data; DCP would keep one silently."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestedSavePlan(SavePlan):
+    """A local SavePlan carrying a digest per tensor chunk to the coordinator."""
+
+    chunk_digests: dict[ChunkKey, bytes] = dataclasses.field(default_factory=dict)
+
+
+def chunk_digest(tensor: torch.Tensor) -> bytes:
+    """Digest of dtype, shape and up to SAMPLES evenly spaced elements (bit patterns)."""
+    flat = tensor.detach()
+    if flat.numel() > SAMPLES:
+        index = torch.linspace(0, flat.numel() - 1, SAMPLES, dtype=torch.float64).long().to(flat.device)
+        sample = torch.take(flat, index)
+    else:
+        sample = flat.reshape(-1)
+    data = sample.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    header = f"{flat.dtype}{tuple(flat.shape)}".encode()
+    return hashlib.blake2b(header + data, digest_size=16).digest()
+
+
+def with_digests(plan: SavePlan, lookup: Callable[[MetadataIndex], object]) -> SavePlan:
+    """``plan`` plus the digest of every tensor chunk it declares (``lookup`` finds the data)."""
+    digests: dict[ChunkKey, bytes] = {}
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue
+        chunk = item.tensor_data.chunk
+        tensor = lookup(item.index)
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tuple(tensor.shape) != tuple(chunk.sizes):
+            continue  # nothing comparable at hand; the check stays silent for this chunk
+        digests[(item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))] = chunk_digest(tensor)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
+    return DigestedSavePlan(**fields, chunk_digests=digests)
+
+
+def checked_plans(plans: list[SavePlan], mesh: DeviceMesh | None) -> list[SavePlan]:
+    """Raise ReplicaMismatchError on conflicting chunks; return the plans without digests."""
+    holders: dict[ChunkKey, dict[bytes, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for rank, plan in enumerate(plans):
+        for key, digest in getattr(plan, "chunk_digests", {}).items():
+            holders[key][digest].append(rank)
+    conflicts = [(key, list(by_digest.values())) for key, by_digest in holders.items() if len(by_digest) > 1]
+    if conflicts:
+        raise ReplicaMismatchError(_message(conflicts, mesh))
+    return [_plain(plan) for plan in plans]
+
+
+def _plain(plan: SavePlan) -> SavePlan:
+    if type(plan) is SavePlan:
+        return plan
+    return SavePlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)})
+
+
+def _message(conflicts: list[tuple[ChunkKey, list[list[int]]]], mesh: DeviceMesh | None) -> str:
+    lines = []
+    for (fqn, offsets, sizes), groups in conflicts[:5]:
+        versions = " vs ".join(f"ranks {ranks}{_coordinates(mesh, ranks)}" for ranks in groups)
+        lines.append(f"  {fqn!r} chunk at offsets {list(offsets)} size {list(sizes)}: {versions}")
+    more = f"\n  ... and {len(conflicts) - 5} more" if len(conflicts) > 5 else ""
+    where = f"checkpoint mesh {describe_mesh(mesh)}" if mesh is not None else "no checkpoint mesh given"
+    return (
+        f"{len(conflicts)} chunk(s) are declared by several ranks with the same key and offsets but "
+        f"different data; DCP would keep one copy and every rank would load it ({where}):\n"
+        + "\n".join(lines)
+        + more
+        + "\nGive each rank's shard its own offsets (ShardSavePlanner(placement_fn=..., mesh=...) or "
+        "dcp_ext.with_checkpoint_placements), or pass check_replicas=False if the difference is intended."
+    )
+
+
+def _coordinates(mesh: DeviceMesh | None, ranks: list[int]) -> str:
+    if mesh is None:
+        return ""
+    coords = []
+    for rank in ranks:
+        found = (mesh.mesh == rank).nonzero()
+        where = ", ".join(f"{axis_name(mesh, a)}={c}" for a, c in enumerate(found[0].tolist())) if len(found) else "outside"
+        coords.append(f"{rank}: {where}")
+    return f" ({'; '.join(coords)})"

@@ -1,0 +1,142 @@
+"""Legacy Megatron ``mp_rank_*`` checkpoints load through ShardReader, bit-exact."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron_checks import dtensor_load_job, load_full
+from megatron_fixtures import write_legacy
+from mp import assert_tensor_equal, run_job
+
+from dcp_ext import ShardLoadPlanner, ShardReader
+from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
+from dcp_ext.megatron import MegatronOptions, load_common_state
+from conftest import load_error
+
+QKV0 = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+def rank_file(root, iteration_dir: str, name: str) -> str:
+    return os.path.join(root, iteration_dir, name, "model_optim_rng.pt")
+
+
+def test_tp2_loads_bit_exact_with_args_and_iteration(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=2)
+    state, _ = load_full(tmp_path, want, extra=("args", "iteration", "checkpoint_version"))
+    assert isinstance(state["args"], argparse.Namespace) and state["args"].tensor_model_parallel_size == 2
+    assert state["iteration"] == 20 and state["checkpoint_version"] == 3.0
+
+
+def test_tp2_pp2_swiglu_keys_have_global_layer_numbers(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in want
+    _, reader = load_full(tmp_path, want)
+    assert reader.source is not None and reader.source.format == "legacy"
+    assert set(reader.source.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+
+
+def test_expert_parallel_checkpoint_renumbers_experts(tmp_path):
+    # TP2 x EP2 without PP: directories are mp_rank_TT_EEE, told apart from PP by args
+    want = write_legacy(str(tmp_path), tp=2, pp=1, ep=2, num_layers=2, moe=True)
+    assert os.path.isdir(tmp_path / "iter_0000020" / "mp_rank_01_001")
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in want
+    load_full(tmp_path, want)
+
+
+def test_reads_only_the_files_holding_the_requested_part(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
+    key = "decoder.final_layernorm.weight"  # bf16, replicated, on the last stage only
+    _, reader = load_full(tmp_path, {key: want[key]})
+    assert reader.stats.files_opened == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_loads_cut_across_tp_splits(tmp_path, world):
+    want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
+    run_job(dtensor_load_job, world, str(tmp_path), want)
+
+
+def test_two_ranks_each_read_one_tp_file_for_their_rows(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    files = run_job(dtensor_load_job, 2, str(tmp_path), {QKV0: want[QKV0]})  # Shard(0): rows of one TP shard
+    assert files == [1, 1]
+
+
+def test_iteration_resolution(tmp_path):
+    write_legacy(str(tmp_path), tp=1, pp=1, num_layers=1, iteration=5)
+    newer = write_legacy(str(tmp_path), tp=1, pp=1, num_layers=1, iteration=9)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "9"
+    load_full(tmp_path, newer)
+    older, _ = load_full(tmp_path, {}, extra=("iteration",), megatron=MegatronOptions(iteration=5))
+    assert older["iteration"] == 5
+    load_full(tmp_path / "iter_0000005", {}, extra=("iteration",))  # pointing at one iteration works too
+    os.remove(tmp_path / "latest_checkpointed_iteration.txt")
+    err = load_error({"iteration": None}, tmp_path)
+    assert "iter_0000005" in str(err) and "iteration=N" in str(err)
+
+
+def test_release_directory(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1, iteration="release")
+    load_full(tmp_path, want)
+
+
+def test_missing_rank_file_names_its_coordinates(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=2, num_layers=2)
+    shutil.rmtree(tmp_path / "iter_0000020" / "mp_rank_01_001")
+    with pytest.raises(CheckpointError, match="incomplete legacy checkpoint") as err:
+        ShardReader(tmp_path).read_metadata()
+    assert "mp_rank_01_001" in str(err.value) and "TP rank 1, PP rank 1, EP rank 0" in str(err.value)
+    err = load_error({QKV0: torch.zeros(1)}, tmp_path)  # the same message reaches dcp.load's caller
+    assert "mp_rank_01_001" in str(err) and "TP rank 1, PP rank 1, EP rank 0" in str(err)
+
+
+def _rewrite(path: str, edit) -> None:
+    state = torch.load(path, weights_only=False)
+    edit(state["model"])
+    torch.save(state, path)
+
+
+def test_mismatched_tp_shapes_are_reported(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    path = rank_file(tmp_path, "iter_0000020", "mp_rank_01")
+    _rewrite(path, lambda m: m.__setitem__(QKV0, torch.zeros(3, 10)))
+    err = load_error({QKV0: torch.zeros(1)}, tmp_path)
+    assert "TP shards of" in str(err) and QKV0 in str(err) and "[3, 10]" in str(err)
+
+
+def test_unknown_parameter_needs_a_partition_rule(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    name = "decoder.layers.0.self_attention.linear_q_down.weight"
+    full = torch.arange(40.0).reshape(4, 10)
+    for rank in range(2):
+        _rewrite(rank_file(tmp_path, "iter_0000020", f"mp_rank_0{rank}"),
+                 lambda m, r=rank: m.__setitem__(name, full.chunk(2)[r].clone()))
+    err = load_error({name: torch.zeros(4, 10)}, tmp_path)
+    assert name in str(err) and "partition_dims" in str(err)
+    load_full(tmp_path, {name: full}, megatron=MegatronOptions(partition_dims={r"linear_q_down\.weight$": 0}))
+
+
+def test_common_state_and_unsafe_files(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    common = load_common_state(tmp_path)
+    assert common["iteration"] == 20 and common["args"].swiglu is True and "model" not in common
+    _rewrite(rank_file(tmp_path, "iter_0000020", "mp_rank_00"), lambda m: m.__setitem__("evil", os.system))
+    with pytest.raises(UnsafeCheckpointError, match="os.system|posix.system"):
+        load_common_state(tmp_path)
+
+
+def test_cached_source_loads_each_file_once(tmp_path, monkeypatch):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    calls = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    for _ in range(2):
+        state = {QKV0: torch.zeros_like(want[QKV0])}
+        dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner())
+        assert_tensor_equal(state[QKV0], want[QKV0])
+    assert len(calls) == 2  # two rank files, each loaded once across both loads

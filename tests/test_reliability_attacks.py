@@ -1,0 +1,282 @@
+"""Hostile checkpoints: rejected with a clear error, and nothing they ask for ever runs.
+
+Every code-running payload would create a canary file; its absence proves nothing ran.
+Attacks on the index rewrite the commit marker too (the marker detects corruption, it
+is no defence against an attacker), so they reach the index decoder and validation.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import load, load_error, sample_state, save
+
+from dcp_ext import CheckpointError, CorruptCheckpointError, ShardReader, UnsafeCheckpointError
+from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
+
+
+class Payload:
+    """Pickles as a call of ``func(*args)``: what a crafted pickle runs on plain ``pickle.load``."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def code_payloads(canary: str, metadata_path: str) -> dict[str, Payload]:
+    touch = f"open({canary!r}, 'w').close()"
+    return {
+        "os.system": Payload(os.system, f"touch {canary}"),
+        "eval": Payload(eval, touch),
+        "builtins.exec": Payload(exec, touch),
+        "subprocess": Payload(subprocess.getoutput, f"touch {canary}"),
+        "torch.load recursion": Payload(torch.load, metadata_path),
+    }
+
+
+def read_metadata_pickle(path):
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)  # our own fresh checkpoint: trusted here
+
+
+def write_metadata_pickle(path, metadata, drop_index: bool = True) -> None:
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    if drop_index:
+        (path / INDEX_NAME).unlink(missing_ok=True)
+
+
+def rewrite_metadata(path, mutate) -> None:
+    metadata = read_metadata_pickle(path)
+    mutate(metadata)
+    write_metadata_pickle(path, metadata)
+
+
+# -- .metadata pickles -----------------------------------------------------------------------
+@pytest.mark.parametrize("attack", ["os.system", "eval", "builtins.exec", "subprocess", "torch.load recursion"])
+@pytest.mark.parametrize("where", ["whole-file", "inside-valid-metadata"])
+def test_code_running_metadata_is_refused(tmp_path, attack, where):
+    ckpt, canary = tmp_path / "ckpt", tmp_path / "canary"
+    save(sample_state(), ckpt)
+    payload = code_payloads(str(canary), str(ckpt / ".metadata"))[attack]
+    if where == "whole-file":
+        (ckpt / ".metadata").write_bytes(pickle.dumps(payload))
+    else:  # a real Metadata with the payload tucked into planner_data; our index left in place
+        metadata = read_metadata_pickle(ckpt)
+        metadata.planner_data = {"x": payload}
+        write_metadata_pickle(ckpt, metadata, drop_index=False)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refuses to load \w+\.\w+"):
+        ShardReader(ckpt).read_metadata()
+    assert not canary.exists()
+
+
+def test_deeply_nested_metadata_is_refused(tmp_path):
+    depth = 1_000_000  # a list nested a million deep: built by the stack machine, no recursion
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b".")
+    with pytest.raises(CorruptCheckpointError, match="expected a DCP Metadata object"):
+        ShardReader(tmp_path).read_metadata()
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + b"]" * 200_000 + b".")  # a very tall stack
+    with pytest.raises(CheckpointError, match="metadata"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_deeply_nested_state_dict_metadata_is_refused(tmp_path):
+    save(sample_state(), tmp_path)
+    rewrite_metadata(tmp_path, lambda md: setattr(md, "state_dict_metadata", {"w": "SENTINEL"}))
+    depth = 100_000  # pickle.dumps cannot nest this deep, so splice the opcodes in
+    nested = b"]" * depth + b"a" * (depth - 1)
+    raw = (tmp_path / ".metadata").read_bytes()
+    (tmp_path / ".metadata").write_bytes(raw.replace(b"\x8c\x08SENTINEL", nested, 1))
+    with pytest.raises(CorruptCheckpointError, match="'w' has unknown metadata list"):
+        ShardReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize("bits", [40, 60])
+def test_chunk_claiming_a_huge_size_is_refused_before_any_allocation(tmp_path, bits):
+    save(sample_state(), tmp_path)
+
+    def inflate(md):
+        md.state_dict_metadata["w"].size = torch.Size([2**bits, 48])
+        md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([2**bits, 48])
+
+    rewrite_metadata(tmp_path, inflate)
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*needs \d+ bytes"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_bytes_item_claiming_2_pow_60_bytes_is_refused_before_any_allocation(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+
+    def inflate(md):
+        index = next(i for i in md.storage_data if i.fqn == "name")
+        md.storage_data[index].length = 2**60
+
+    rewrite_metadata(tmp_path, inflate)
+    error = load_error(state, tmp_path)
+    assert isinstance(error, CorruptCheckpointError) and "'name'" in str(error) and "truncated" in str(error)
+
+
+@pytest.mark.parametrize("bad_path", ["../outside.distcp", "/etc/passwd", "a/../../x", "C:\\x", "a\x00b"])
+def test_path_escape_in_metadata_is_refused(tmp_path, bad_path):
+    save(sample_state(), tmp_path / "ckpt")
+
+    def escape(md):
+        index = next(i for i in md.storage_data if i.fqn == "w")
+        md.storage_data[index].relative_path = bad_path
+
+    rewrite_metadata(tmp_path / "ckpt", escape)
+    with pytest.raises(UnsafeCheckpointError, match=r"key 'w'.*escapes the checkpoint directory"):
+        ShardReader(tmp_path / "ckpt").read_metadata()
+
+
+def test_symlinked_data_file_out_of_the_directory_is_refused(tmp_path):
+    state = sample_state()
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "outside.distcp"
+    save(state, ckpt)
+    victim = next(n for n in os.listdir(ckpt) if n.endswith(".distcp"))
+    os.replace(ckpt / victim, outside)
+    os.symlink(outside, ckpt / victim)
+    error = load_error(state, ckpt)
+    assert isinstance(error, UnsafeCheckpointError) and victim in str(error) and "outside" in str(error)
+
+
+@pytest.mark.parametrize("name", [".metadata", INDEX_NAME])
+def test_symlinked_metadata_out_of_the_directory_is_refused(tmp_path, name):
+    ckpt = tmp_path / "ckpt"
+    save(sample_state(), ckpt)
+    os.replace(ckpt / name, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", ckpt / name)
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
+        ShardReader(ckpt).read_metadata()
+
+
+def test_hostile_tensor_record_in_a_stock_checkpoint_is_refused(tmp_path):
+    """No index: the record's own pickle is decoded, by an allowlist that runs nothing."""
+    canary = tmp_path / "canary"
+    state = {"w": torch.arange(6.0)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"))
+    ckpt = tmp_path / "ckpt"
+    record = io.BytesIO()
+    torch.save(Payload(os.system, f"touch {canary}"), record)
+    metadata = read_metadata_pickle(ckpt)
+    info = next(iter(metadata.storage_data.values()))
+    (ckpt / info.relative_path).write_bytes(record.getvalue())
+    info.offset, info.length = 0, len(record.getvalue())
+    write_metadata_pickle(ckpt, metadata)
+    error = load_error(state, ckpt)
+    assert isinstance(error, UnsafeCheckpointError) and "posix.system" in str(error) and "'w'" in str(error)
+    assert not canary.exists()
+
+
+def test_hostile_bytes_item_runs_nothing(tmp_path):
+    """A bytes item's pickle is decoded by the load planner, with torch's weights_only."""
+    canary = tmp_path / "canary"
+    save({"obj": Payload(os.system, f"touch {canary}")}, tmp_path / "ckpt", checksums=False)
+    error = load_error({"obj": None}, tmp_path / "ckpt")
+    assert isinstance(error, UnsafeCheckpointError) and "'obj'" in str(error) and "add_safe_globals" in str(error)
+    assert not canary.exists()
+
+
+# -- the index ---------------------------------------------------------------------------
+def rewrite_index(path, mutate) -> None:
+    """Replace the index with ``mutate(rows, schema)``'s table; re-sign it in the marker."""
+    table = pq.read_table(path / INDEX_NAME)
+    rows = table.to_pydict()
+    new_table = mutate(rows, table.schema)
+    sink = io.BytesIO()
+    pq.write_table(new_table, sink)
+    (path / INDEX_NAME).write_bytes(sink.getvalue())
+    marker = CommitMarker.decode((path / MARKER_NAME).read_bytes(), "test")
+    metadata_bytes = (path / ".metadata").read_bytes()
+    (path / MARKER_NAME).write_bytes(CommitMarker.for_bytes(marker.save_id, metadata_bytes, sink.getvalue()).encode())
+
+
+def set_column(name: str, value, arrow_type=None):
+    """A mutation setting column ``name`` of the row for key 'w' (optionally retyping it)."""
+
+    def mutate(rows, schema):
+        row = rows["fqn"].index("w")
+        rows[name][row] = value
+        if arrow_type is None:
+            return pa.table(rows, schema=schema)
+        fields = [pa.field(f.name, arrow_type if f.name == name else f.type) for f in schema]
+        if arrow_type == pa.string():
+            rows[name] = [str(v) for v in rows[name]]
+        return pa.table(rows, schema=pa.schema(fields, metadata=schema.metadata))
+
+    return mutate
+
+
+INDEX_ATTACKS = {
+    "negative offset": (set_column("offset", -4096), r"'w' has an invalid byte range"),
+    "negative length": (set_column("length", -1), r"'w' has an invalid byte range"),
+    "negative chunk offset": (set_column("offsets", [-1, 0]), r"'w'.*does not fit its global shape"),
+    "parent path": (set_column("file", "../../etc/passwd"), r"'w'.*escapes the checkpoint directory"),
+    "absolute path": (set_column("file", "/etc/passwd"), r"'w'.*escapes the checkpoint directory"),
+    "empty path": (set_column("file", ""), r"'w'.*is not a non-empty string"),
+    "offset as text": (set_column("offset", "zero", pa.string()), r"unreadable index"),
+    "huge chunk": (set_column("sizes", [2**60, 48]), r"'w'.*does not fit its global shape"),
+}
+
+
+@pytest.mark.parametrize("attack", list(INDEX_ATTACKS))
+def test_index_attacks_are_refused(tmp_path, attack):
+    mutate, message = INDEX_ATTACKS[attack]
+    save(sample_state(), tmp_path)
+    rewrite_index(tmp_path, mutate)
+    with pytest.raises(CheckpointError, match=message):
+        ShardReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize(
+    "header_change, message",
+    [
+        ({"tensors": {"w": ["load", [64, 48], False, False]}}, r"unknown dtype 'load'"),
+        ({"tensors": {"w": ["float32", ["64", 48], False, False]}}, r"non-integer shape"),
+        ({"tensors": {"w": ["float32", [-64, 48], False, False]}}, r"invalid dtype .* or shape"),
+        ({"order": 7}, r"unreadable index"),
+        ({"format": "something-else"}, r"unreadable index"),
+    ],
+)
+def test_index_header_attacks_are_refused(tmp_path, header_change, message):
+    import json
+
+    def mutate(rows, schema):
+        header = json.loads(schema.metadata[b"dcp_ext"])
+        for key, value in header_change.items():
+            header[key] = {**header[key], **value} if isinstance(value, dict) else value
+        return pa.table(rows, schema=schema.with_metadata({b"dcp_ext": json.dumps(header).encode()}))
+
+    save(sample_state(), tmp_path)
+    rewrite_index(tmp_path, mutate)
+    with pytest.raises(CheckpointError, match=message):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_corrupt_index_under_a_valid_marker_is_named(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    raw = bytearray((tmp_path / INDEX_NAME).read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (tmp_path / INDEX_NAME).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"\.dcp_ext_index\.parquet: (index bytes differ|unreadable index)"):
+        ShardReader(tmp_path).read_metadata()
+    (tmp_path / INDEX_NAME).unlink()  # what the message advises: .metadata alone still loads
+    assert load(state, tmp_path)[0]["w"].equal(state["w"])
+
+
+def test_directory_without_metadata_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
+        ShardReader(tmp_path).read_metadata()
