@@ -26,7 +26,8 @@ from dcp_ext import (
     ShardWriter,
     with_checkpoint_placements,
 )
-from dcp_ext.planning.replica_check import DigestedSavePlan, checked_plans
+from dcp_ext.planning.local_plan import ShardLocalPlan
+from dcp_ext.planning.replica_check import checked_plans
 from mp import assert_tensor_equal, garbage_like, run_job
 
 EXPERTS = [f"layers.{i}.mlp.experts.fc1.weight0" for i in range(4)]
@@ -266,7 +267,7 @@ def test_a4_all_replicate_keeps_fsdp_chunks(tmp_path):
 
 
 def _plan(digests: dict) -> SavePlan:
-    return DigestedSavePlan(items=[], chunk_digests=digests)
+    return ShardLocalPlan(items=[], chunk_digests=digests)
 
 
 def test_replica_check_compares_digests_per_chunk():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -47,6 +47,7 @@ _SCHEMA = pa.schema(
         ("length", pa.int64()),
         ("payload_offset", pa.int64()),
         ("checksum", pa.uint32()),
+        ("copy", pa.bool_()),  # an extra TP-replica copy of the chunk (dcp_ext.planning.locality)
     ]
 )
 
@@ -71,6 +72,7 @@ class IndexedCheckpoint:
     items: dict[MetadataIndex, StoredItem]
     metadata_crc32c: int
     metadata_size: int
+    copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,8 +100,18 @@ def _planner_data_to_json(planner_data: Any) -> Any:
     return out
 
 
-def encode_index(metadata: Metadata, items: dict[MetadataIndex, StoredItem], metadata_bytes: bytes, crc: int) -> bytes:
-    """Serialize the index for ``metadata`` whose pickle is ``metadata_bytes`` (CRC32C ``crc``)."""
+def encode_index(
+    metadata: Metadata,
+    items: dict[MetadataIndex, StoredItem],
+    metadata_bytes: bytes,
+    crc: int,
+    copies: dict[MetadataIndex, list[StoredItem]] | None = None,
+) -> bytes:
+    """Serialize the index for ``metadata`` whose pickle is ``metadata_bytes`` (CRC32C ``crc``).
+
+    ``copies`` are extra stored copies of chunks (TP-replica locality), recorded as rows
+    with ``copy`` set; ``.metadata`` only knows the canonical ones in ``items``.
+    """
     columns: dict[str, list[Any]] = {name: [] for name in _SCHEMA.names}
     tensors: dict[str, list[Any]] = {}
     order: list[str] = []
@@ -113,16 +125,17 @@ def encode_index(metadata: Metadata, items: dict[MetadataIndex, StoredItem], met
         else:
             chunks, dtype = [(MetadataIndex(fqn), None, None)], None
         for index, offsets, sizes in chunks:
-            item = items[index]
-            columns["fqn"].append(fqn)
-            columns["offsets"].append(offsets)
-            columns["sizes"].append(sizes)
-            columns["dtype"].append(dtype)
-            columns["file"].append(item.relative_path)
-            columns["offset"].append(item.offset)
-            columns["length"].append(item.length)
-            columns["payload_offset"].append(item.payload_offset)
-            columns["checksum"].append(item.checksum)
+            for item, is_copy in [(items[index], False), *(((c, True) for c in (copies or {}).get(index, ())))]:
+                columns["fqn"].append(fqn)
+                columns["offsets"].append(offsets)
+                columns["sizes"].append(sizes)
+                columns["dtype"].append(dtype)
+                columns["file"].append(item.relative_path)
+                columns["offset"].append(item.offset)
+                columns["length"].append(item.length)
+                columns["payload_offset"].append(item.payload_offset)
+                columns["checksum"].append(item.checksum)
+                columns["copy"].append(is_copy)
     storage_meta = metadata.storage_meta
     header = {
         "format": INDEX_FORMAT,
@@ -156,6 +169,8 @@ def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
         header = json.loads(table.schema.metadata[_META_KEY])
         if header.get("format") != INDEX_FORMAT:
             raise ValueError(f"format {header.get('format')!r}, expected {INDEX_FORMAT!r}")
+        if "copy" not in table.column_names:  # written before TP-replica copies existed
+            table = table.append_column("copy", pa.array([False] * table.num_rows))
         rows = table.cast(_plain_schema()).to_pydict()
         return _build(header, rows, source)
     except CorruptCheckpointError:
@@ -178,9 +193,10 @@ def _build(header: dict[str, Any], rows: dict[str, list[Any]], source: str) -> I
         else:
             state[fqn] = BytesStorageMetadata()
     items: dict[MetadataIndex, StoredItem] = {}
-    for fqn, offsets, sizes, file, offset, length, payload, checksum in zip(
+    copies: dict[MetadataIndex, list[StoredItem]] = {}
+    for fqn, offsets, sizes, file, offset, length, payload, checksum, is_copy in zip(
         rows["fqn"], rows["offsets"], rows["sizes"], rows["file"], rows["offset"], rows["length"],
-        rows["payload_offset"], rows["checksum"],
+        rows["payload_offset"], rows["checksum"], rows["copy"],
     ):
         md = state.get(fqn)
         if md is None:
@@ -189,13 +205,21 @@ def _build(header: dict[str, Any], rows: dict[str, list[Any]], source: str) -> I
             if offsets is None or sizes is None:
                 raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has a row without offsets/sizes")
             chunk = ChunkStorageMetadata(torch.Size(_ints(offsets, source, fqn)), torch.Size(_ints(sizes, source, fqn)))
-            md.chunks.append(chunk)
             index = MetadataIndex(fqn, chunk.offsets)
+            if not is_copy:
+                md.chunks.append(chunk)
         else:
             index = MetadataIndex(fqn)
         if offset is None or length is None or payload is None or file is None:
             raise CorruptCheckpointError(f"{source}: item {fqn!r} has missing location fields")
-        items[index] = StoredItem(file, offset, length, payload, checksum)
+        stored = StoredItem(file, offset, length, payload, checksum)
+        if is_copy:
+            copies.setdefault(index, []).append(stored)
+        else:
+            items[index] = stored
+    orphans = [index.fqn for index in copies if index not in items]
+    if orphans:
+        raise CorruptCheckpointError(f"{source}: replica copies of {orphans[:3]} have no canonical chunk")
     planner_data = header["planner_data"]
     meta = header["storage_meta"]
     metadata = None
@@ -207,7 +231,7 @@ def _build(header: dict[str, Any], rows: dict[str, list[Any]], source: str) -> I
             storage_meta=None if meta is None else StorageMeta(meta["checkpoint_id"], meta["save_id"], None, list(meta["modules"])),
             version=header["version"],
         )
-    return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]))
+    return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]), copies)
 
 
 def _ints(values: Any, source: str, fqn: str) -> list[int]:

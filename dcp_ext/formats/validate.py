@@ -42,22 +42,22 @@ def items_from_storage_data(metadata: Metadata, source: str) -> dict[MetadataInd
     return items
 
 
-def check_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem], source: str) -> None:
-    """Raise CorruptCheckpointError/UnsafeCheckpointError naming the key on any fault."""
+def check_metadata(
+    metadata: Metadata,
+    items: dict[MetadataIndex, StoredItem],
+    source: str,
+    copies: dict[MetadataIndex, list[StoredItem]] | None = None,
+) -> None:
+    """Raise CorruptCheckpointError/UnsafeCheckpointError naming the key on any fault.
+
+    ``copies`` (TP-replica copies from our index) get the same checks as the chunk they copy.
+    """
+    copies = copies or {}
     if not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{source}: state_dict_metadata is not a dict")
     for index, item in items.items():
-        check_relative_name(source, item.relative_path, index.fqn)
-        payload = item.payload_offset
-        if (
-            not _non_negative_ints((item.offset, item.length))
-            or type(payload) is not int
-            or not (payload == -1 or item.offset <= payload <= item.offset + item.length)
-        ):
-            raise CorruptCheckpointError(
-                f"{source}: key {index.fqn!r} has an invalid byte range offset={item.offset!r} "
-                f"length={item.length!r} tensor data at {payload!r}"
-            )
+        for stored in (item, *copies.get(index, ())):
+            _check_location(index, stored, source)
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(fqn, str):
             raise CorruptCheckpointError(f"{source}: key {fqn!r} is not a string")
@@ -65,12 +65,32 @@ def check_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem], s
             if MetadataIndex(fqn) not in items:
                 raise CorruptCheckpointError(f"{source}: bytes item {fqn!r} has no stored location")
         elif isinstance(md, TensorStorageMetadata):
-            _check_tensor(fqn, md, items, source)
+            _check_tensor(fqn, md, items, copies, source)
         else:
             raise CorruptCheckpointError(f"{source}: key {fqn!r} has unknown metadata {type(md).__name__}")
 
 
-def _check_tensor(fqn: str, md: TensorStorageMetadata, items: dict[MetadataIndex, StoredItem], source: str) -> None:
+def _check_location(index: MetadataIndex, item: StoredItem, source: str) -> None:
+    check_relative_name(source, item.relative_path, index.fqn)
+    payload = item.payload_offset
+    if (
+        not _non_negative_ints((item.offset, item.length))
+        or type(payload) is not int
+        or not (payload == -1 or item.offset <= payload <= item.offset + item.length)
+    ):
+        raise CorruptCheckpointError(
+            f"{source}: key {index.fqn!r} has an invalid byte range offset={item.offset!r} "
+            f"length={item.length!r} tensor data at {payload!r}"
+        )
+
+
+def _check_tensor(
+    fqn: str,
+    md: TensorStorageMetadata,
+    items: dict[MetadataIndex, StoredItem],
+    copies: dict[MetadataIndex, list[StoredItem]],
+    source: str,
+) -> None:
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not _non_negative_ints(md.size):
         raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has an invalid dtype {dtype!r} or shape {md.size!r}")
@@ -89,13 +109,17 @@ def _check_tensor(fqn: str, md: TensorStorageMetadata, items: dict[MetadataIndex
                 f"{source}: tensor {fqn!r} chunk at {list(offsets)} of size {list(sizes)} "
                 f"does not fit its global shape {list(md.size)}"
             )
-        item = items.get(MetadataIndex(fqn, offsets))
+        index = MetadataIndex(fqn, offsets)
+        item = items.get(index)
         if item is None:
             raise CorruptCheckpointError(f"{source}: tensor {fqn!r} chunk at {list(offsets)} has no stored location")
         nbytes = numel(sizes) * dtype.itemsize
-        if nbytes > item.length or (item.payload_offset >= 0 and item.payload_offset + nbytes > item.offset + item.length):
-            raise CorruptCheckpointError(
-                f"{source}: tensor {fqn!r} chunk at {list(offsets)} needs {nbytes} bytes but its record in "
-                f"{item.relative_path!r} (bytes [{item.offset}, {item.offset + item.length}), tensor data at "
-                f"{item.payload_offset}) cannot hold them"
-            )
+        for stored in (item, *copies.get(index, ())):
+            if nbytes > stored.length or (
+                stored.payload_offset >= 0 and stored.payload_offset + nbytes > stored.offset + stored.length
+            ):
+                raise CorruptCheckpointError(
+                    f"{source}: tensor {fqn!r} chunk at {list(offsets)} needs {nbytes} bytes but its record in "
+                    f"{stored.relative_path!r} (bytes [{stored.offset}, {stored.offset + stored.length}), tensor "
+                    f"data at {stored.payload_offset}) cannot hold them"
+                )

@@ -23,6 +23,7 @@ from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, numel
 from dcp_ext.megatron.base import Box, IncompleteSaveError, MegatronOptions, tensor_metadata
 from dcp_ext.megatron.flat_range import flat_index, flat_range_boxes
+from dcp_ext.megatron.tp_replica import merge_tp_replica_keys
 from dcp_ext.storage.location import Location
 
 if TYPE_CHECKING:
@@ -76,26 +77,26 @@ def read_metadata_json(location: Location) -> dict[str, Any]:
 
 
 def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions) -> Catalog:
-    """The catalog a load should see: checked for completeness, flattened tensors restored.
+    """The catalog a load should see: checked for completeness, flattened tensors restored,
+    TP-replica keys (``{key}.__tp_replica_{r}``) answered as ``key``.
 
-    Plain DCP checkpoints come back unchanged. The restored view is computed once per
-    parsed catalog (it probes record headers) and shared like the catalog itself.
+    Plain DCP checkpoints come back unchanged. The view is computed once per parsed
+    catalog (it may probe record headers) and shared like the catalog itself.
     """
     if not is_megatron_catalog(location, catalog):
         return catalog
     check_complete(location, "torch_dist", options)
+    with _views_lock:
+        cached = _views.get(id(catalog))
+    if cached is not None and cached[0] is catalog:
+        return cached[1]
     shapes = {
         key: tuple(data[REFORMULATED])
         for key, data in (getattr(catalog.metadata, "mcore_data", None) or {}).items()
         if isinstance(data, dict) and data.get(REFORMULATED) is not None
     }
-    if not shapes:
-        return catalog
-    with _views_lock:
-        cached = _views.get(id(catalog))
-    if cached is not None and cached[0] is catalog:
-        return cached[1]
-    view = _restore_flattened(location, catalog, shapes)
+    view = _restore_flattened(location, catalog, shapes) if shapes else catalog
+    view = merge_tp_replica_keys(view)
     with _views_lock:
         if len(_views) >= 16:
             _views.pop(next(iter(_views)))

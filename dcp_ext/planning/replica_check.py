@@ -10,7 +10,6 @@ cost per chunk is constant however large the tensor is.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,21 +19,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 
+from dcp_ext.planning.local_plan import ChunkKey, plain, with_extras
 from dcp_ext.planning.placements import axis_name, describe_mesh
 
 SAMPLES = 1024
-ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
 
 
 class ReplicaMismatchError(ValueError):
     """Ranks declare the same key and offsets with different data; DCP would keep one silently."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DigestedSavePlan(SavePlan):
-    """A local SavePlan carrying a digest per tensor chunk to the coordinator."""
-
-    chunk_digests: dict[ChunkKey, bytes] = dataclasses.field(default_factory=dict)
 
 
 def chunk_digest(tensor: torch.Tensor) -> bytes:
@@ -61,8 +53,7 @@ def with_digests(plan: SavePlan, lookup: Callable[[MetadataIndex], object]) -> S
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tuple(tensor.shape) != tuple(chunk.sizes):
             continue  # nothing comparable at hand; the check stays silent for this chunk
         digests[(item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))] = chunk_digest(tensor)
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
-    return DigestedSavePlan(**fields, chunk_digests=digests)
+    return with_extras(plan, chunk_digests=digests)
 
 
 def checked_plans(plans: list[SavePlan], mesh: DeviceMesh | None) -> list[SavePlan]:
@@ -74,13 +65,7 @@ def checked_plans(plans: list[SavePlan], mesh: DeviceMesh | None) -> list[SavePl
     conflicts = [(key, list(by_digest.values())) for key, by_digest in holders.items() if len(by_digest) > 1]
     if conflicts:
         raise ReplicaMismatchError(_message(conflicts, mesh))
-    return [_plain(plan) for plan in plans]
-
-
-def _plain(plan: SavePlan) -> SavePlan:
-    if type(plan) is SavePlan:
-        return plan
-    return SavePlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)})
+    return [plain(plan) for plan in plans]
 
 
 def _message(conflicts: list[tuple[ChunkKey, list[list[int]]]], mesh: DeviceMesh | None) -> str:

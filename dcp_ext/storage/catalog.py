@@ -41,6 +41,7 @@ class Catalog:
     indexed: bool  # True when our index supplied payload offsets and checksums
     committed: bool  # False: our index vouches for .metadata but no commit marker does
     signature: tuple[Any, ...]  # of .metadata, index and marker when read (see catalog_signature)
+    copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)  # TP-replica copies
     _chunks: dict[MetadataIndex, tuple[TensorStorageMetadata, ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,9 +64,20 @@ class Catalog:
         except KeyError:
             raise CheckpointError(f"{self.url}: key {index.fqn!r} has no chunk at offset {index.offset}") from None
 
-    def known_layout(self, index: MetadataIndex) -> TensorLayout | None:
-        """The tensor layout if known without touching data files (index or earlier parse)."""
-        item = self.item(index)
+    def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
+        """The copy of an item in ``rank``'s own data files if one exists, else the canonical one."""
+        canonical = self.item(index)
+        own = f"__{rank}_"
+        if canonical.relative_path.startswith(own):
+            return canonical
+        return next((c for c in self.copies.get(index, ()) if c.relative_path.startswith(own)), canonical)
+
+    def known_layout(self, index: MetadataIndex, item: StoredItem | None = None) -> TensorLayout | None:
+        """The tensor layout if known without touching data files (index or earlier parse).
+
+        ``item`` selects a TP-replica copy instead of the canonical record.
+        """
+        item = item or self.item(index)
         if item.payload_offset >= 0:
             md, chunk = self.chunk(index)
             shape = tuple(chunk.sizes)
@@ -132,14 +144,20 @@ def read_catalog(location: Location) -> Catalog:
     marked = marker is not None and marker.commits_metadata(metadata_bytes)
     indexed = None
     if index_bytes is not None:
-        candidate = decode_index(index_bytes, f"{location.url}/{INDEX_NAME}")
+        corrupt_index = CorruptCheckpointError(
+            f"{location.url}/{INDEX_NAME}: index bytes differ from what the commit marker recorded "
+            f"(corrupt); delete {INDEX_NAME} to load from {METADATA_NAME} alone"
+        )
+        try:
+            candidate = decode_index(index_bytes, f"{location.url}/{INDEX_NAME}")
+        except CorruptCheckpointError:
+            if marked and not marker.commits_index(index_bytes):
+                raise corrupt_index from None
+            raise
         if candidate.metadata_size == len(metadata_bytes) and candidate.metadata_crc32c == crc32c.crc32c(metadata_bytes):
             indexed = candidate
             if marked and not marker.commits_index(index_bytes):
-                raise CorruptCheckpointError(
-                    f"{location.url}/{INDEX_NAME}: index bytes differ from what the commit marker recorded "
-                    f"(corrupt); delete {INDEX_NAME} to load from {METADATA_NAME} alone"
-                )
+                raise corrupt_index
     if indexed is not None and indexed.metadata is not None:
         metadata, items = indexed.metadata, indexed.items
     else:
@@ -148,8 +166,11 @@ def read_catalog(location: Location) -> Catalog:
     try:
         if items is None:
             items = items_from_storage_data(metadata, source)
-        check_metadata(metadata, items, source)
-        catalog = Catalog(location.url, metadata, items, indexed is not None, marked or indexed is None, signature)
+        copies = indexed.copies if indexed is not None else {}
+        check_metadata(metadata, items, source, copies)
+        catalog = Catalog(
+            location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies
+        )
     except CheckpointError:
         raise
     except Exception as exc:  # untrusted structure: whatever validation trips over is corruption

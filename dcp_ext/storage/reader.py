@@ -222,7 +222,7 @@ class ShardReader(StorageReader):
         """Every file exists and holds every byte range the plan will touch."""
         sizes: dict[str, int | None] = {}
         for read_item in items:
-            stored = catalog.item(read_item.storage_index)
+            stored = catalog.item_for_rank(read_item.storage_index, self.rank)
             path = stored.relative_path
             if path not in sizes:
                 self.location.path(path, read_item.storage_index.fqn)  # rejects escapes
@@ -239,7 +239,7 @@ class ShardReader(StorageReader):
     def _layouts(self, catalog: Catalog, items: list[ReadItem]) -> dict[Any, TensorLayout]:
         """Tensor layouts for the plan; stock records are parsed in parallel, once."""
         indices = {i.storage_index for i in items if i.type != LoadItemType.BYTE_IO}
-        layouts = {index: catalog.known_layout(index) for index in indices}
+        layouts = {index: catalog.known_layout(index, catalog.item_for_rank(index, self.rank)) for index in indices}
         missing = [index for index, layout in layouts.items() if layout is None]
         def probe(index: Any) -> TensorLayout:
             try:
@@ -262,7 +262,7 @@ class ShardReader(StorageReader):
         commits: list[Callable[[], None]],
     ) -> list[Request]:
         index = read_item.storage_index
-        stored = catalog.item(index)
+        stored = catalog.item_for_rank(index, self.rank)
         where = self._where(stored.relative_path, index.fqn)
         if read_item.type == LoadItemType.BYTE_IO:
             request, buf = bytes_request(stored, index.fqn, where, self.verify_checksums)

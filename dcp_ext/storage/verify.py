@@ -14,6 +14,7 @@ import crc32c
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.storage.catalog import Catalog, read_catalog
 from dcp_ext.storage.commit import DATA_FILE
@@ -83,29 +84,29 @@ def verify_checkpoint(
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             report.faults.extend(chunk_faults(fqn, md))
-    by_file: dict[str, list[MetadataIndex]] = {}
-    for index, item in catalog.items.items():
-        by_file.setdefault(item.relative_path, []).append(index)
+    by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
+    for index, item in catalog.items.items():  # canonical items and TP-replica copies alike
+        for stored in (item, *catalog.copies.get(index, ())):
+            by_file.setdefault(stored.relative_path, []).append((index, stored))
     report.files = len(by_file)
     report.unreferenced_files = sorted(n for n in location.listdir() if DATA_FILE.match(n) and n not in by_file)
-    total = sum(catalog.items[i].length for indices in by_file.values() for i in indices)
+    total = sum(item.length for entries in by_file.values() for _, item in entries)
     done = 0
-    for name, indices in sorted(by_file.items()):
-        indices.sort(key=lambda i: catalog.items[i].offset)
+    for name, entries in sorted(by_file.items()):
+        entries.sort(key=lambda entry: entry[1].offset)
         size = location.size(name)
         if size is None:
-            report.faults.append(f"{name}: missing (holds {', '.join(sorted({i.fqn for i in indices}))})")
+            report.faults.append(f"{name}: missing (holds {', '.join(sorted({i.fqn for i, _ in entries}))})")
             continue
         with location.open_reader(name) as reader:
-            for index in indices:
-                item = catalog.items[index]
+            for index, item in entries:
                 done += item.length
                 if item.offset + item.length > size:
                     report.faults.append(
                         f"{name}: key {index.fqn!r} needs bytes up to {item.offset + item.length}, file has {size}"
                     )
                     continue
-                fault = _check_item(catalog, location, reader, index)
+                fault = _check_item(catalog, location, reader, index, item)
                 if fault:
                     report.faults.append(f"{name}: key {index.fqn!r}: {fault}")
                 report.items_checked += 1
@@ -118,9 +119,10 @@ def verify_checkpoint(
     return report
 
 
-def _check_item(catalog: Catalog, location: Location, reader, index: MetadataIndex) -> str | None:  # noqa: ANN001
-    """Return a fault description, or None when the item's checksum matches."""
-    item = catalog.items[index]
+def _check_item(  # noqa: ANN001
+    catalog: Catalog, location: Location, reader, index: MetadataIndex, item: StoredItem
+) -> str | None:
+    """Return a fault description, or None when the stored item's checksum matches."""
     if item.checksum is not None:
         value = _stream_crc(reader, item.offset, item.length, crc32c.crc32c)
         expected, algorithm = item.checksum, "crc32c"

@@ -17,6 +17,7 @@ from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CheckpointExistsError
 from dcp_ext.formats.index import StoredItem, encode_index
+from dcp_ext.planning.locality import canonical_index
 from dcp_ext.storage.catalog import METADATA_NAME
 from dcp_ext.storage.commit import commit, crash_point, remove_unreferenced
 from dcp_ext.storage.location import Location
@@ -137,17 +138,25 @@ class ShardWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         crash_point("after-data")
-        stored: dict[MetadataIndex, StoredItem] = {
-            wr.index: wr.storage_data for rank_results in results for wr in rank_results
-        }
+        stored: dict[MetadataIndex, StoredItem] = {}
+        copies: dict[MetadataIndex, list[StoredItem]] = {}  # TP-replica copies: index only
+        for rank_results in results:
+            for wr in rank_results:
+                original = canonical_index(wr.index)
+                if original is None:
+                    stored[wr.index] = wr.storage_data
+                else:
+                    copies.setdefault(original, []).append(wr.storage_data)
         metadata.version = DCP_METADATA_VERSION
         metadata.storage_data = {index: item.storage_info() for index, item in stored.items()}
         metadata.storage_meta = self.storage_meta()
         metadata_bytes = pickle.dumps(metadata)
         crc = crc32c.crc32c(metadata_bytes)
-        index_bytes = encode_index(metadata, stored, metadata_bytes, crc)
+        index_bytes = encode_index(metadata, stored, metadata_bytes, crc, copies)
         commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files)
-        remove_unreferenced(self.location, {item.relative_path for item in stored.values()})
+        referenced = {item.relative_path for item in stored.values()}
+        referenced.update(item.relative_path for items in copies.values() for item in items)
+        remove_unreferenced(self.location, referenced)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
