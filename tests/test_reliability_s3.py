@@ -120,6 +120,23 @@ def test_resharded_load_from_two_process_save(s3, url):
     assert len({i.relative_path for i in reader.catalog.items.values()}) >= 2
 
 
+def _two_stage_load_job(rank: int, world: int, url: str, options: dict) -> int:
+    want = _resharding_state()
+    state = {k: torch.zeros_like(v) for k, v in want.items()}
+    reader = ShardReader(url, storage_options=options, two_stage=True)
+    dcp.load(state, storage_reader=reader)
+    for name, value in want.items():
+        assert torch.equal(state[name], value), name
+    return reader.stats.bytes_read
+
+
+def test_two_stage_load_from_s3_reads_each_byte_once(s3, url):
+    run_job(_sharded_save_job, 2, url, s3.options)
+    reads = run_job(_two_stage_load_job, 2, url, s3.options)  # both ranks need everything
+    unique = sum(v.numel() * v.element_size() for v in _resharding_state().values())
+    assert unique <= sum(reads) <= 1.05 * unique
+
+
 def test_stock_checkpoint_on_s3_loads_without_a_marker(s3, url):
     state = {k: v for k, v in sample_state(4).items() if isinstance(v, torch.Tensor)}
     dcp.save(state, storage_writer=FsspecWriter(url, **s3.options))

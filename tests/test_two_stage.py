@@ -123,3 +123,21 @@ def test_explicit_group_reads_once_per_group(tmp_path):
     unique = _unique_payload(str(tmp_path))
     assert unique <= reads[0] + reads[1] <= 1.05 * unique
     assert unique <= reads[2] + reads[3] <= 1.05 * unique
+
+
+def _small_batches(rank: int, world: int, path: str) -> int:
+    """A 48 KiB budget: many batches, each read while the previous one is exchanged."""
+    full = full_tensors()
+    state = {k: garbage_like(v) for k, v in full.items()}
+    reader = ShardReader(path, two_stage=True, exchange_budget_bytes=48 << 10)
+    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
+    for name, value in state.items():
+        assert_tensor_equal(value, full[name], name)
+    return reader.stats.bytes_read
+
+
+def test_many_small_batches_overlap_reading_and_sending(tmp_path):
+    _save_plain(str(tmp_path))
+    reads = run_job(_small_batches, 4, str(tmp_path))
+    unique = _unique_payload(str(tmp_path))
+    assert unique <= sum(reads) <= 1.05 * unique

@@ -5,10 +5,12 @@ read those bytes from storage. Here every rank first publishes the byte ranges i
 requests need; all ranks compute the same plan: overlapping ranges merge into segments
 (cut at ``SEGMENT_BYTES``), and each segment is read by one of the ranks that need it,
 largest segments first to the least loaded rank. Segments are processed in batches of at
-most ``budget_bytes``: the assigned ranks read them, every rank learns whether all reads
-succeeded (so a failed read raises the same error everywhere instead of hanging the
-others), the readers send each other rank exactly the bytes it needs (point-to-point,
-gloo or NCCL), and each rank copies the bytes into its requests' destinations.
+most half of ``budget_bytes`` (the next batch is read while the current one is being
+exchanged): the assigned ranks read them, every rank learns whether all reads succeeded
+(so a failed read raises the same error everywhere instead of hanging the others), the
+readers send each other rank exactly the bytes it needs (point-to-point: gloo with CPU
+buffers, NCCL with buffers on the rank's current GPU), and each rank copies the bytes
+into its requests' destinations.
 """
 
 from __future__ import annotations
@@ -130,6 +132,9 @@ class TwoStageExchange:
         self.thread_count = thread_count
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        # NCCL moves only CUDA tensors: stage transfers on this rank's GPU there.
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def run(self, requests: list[Request], planning_error: BaseException | None = None) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes this rank read from storage, files it opened).
@@ -145,14 +150,20 @@ class TwoStageExchange:
         segments = plan_segments(everyone)
         pieces = _Pieces(requests)
         bytes_read, files = 0, set()
-        for batch in _batches(segments, self.budget_bytes):
-            buffers, read, error = self._read(segments, batch)
-            self._agree(error)
-            bytes_read += read
-            files.update(segments[n].path for n in batch if segments[n].reader == self.rank)
-            received = self._exchange(segments, batch, buffers)
-            for n in batch:
-                pieces.fill(segments[n], buffers.get(n), received.get(n), self.rank)
+        # Two batches are in flight (one exchanged while the next is read), so each gets half.
+        batches = _batches(segments, max(1, self.budget_bytes // 2))
+        with ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-prefetch") as prefetch:
+            pending = prefetch.submit(self._read, segments, batches[0]) if batches else None
+            for position, batch in enumerate(batches):
+                buffers, read, error = pending.result()
+                if position + 1 < len(batches):
+                    pending = prefetch.submit(self._read, segments, batches[position + 1])
+                self._agree(error)
+                bytes_read += read
+                files.update(segments[n].path for n in batch if segments[n].reader == self.rank)
+                received = self._exchange(segments, batch, buffers)
+                for n in batch:
+                    pieces.fill(segments[n], buffers.get(n), received.get(n), self.rank)
         pieces.finish()
         return bytes_read, files
 
@@ -193,16 +204,17 @@ class TwoStageExchange:
             if segment.reader == self.rank:
                 for rank in segment.needs:
                     if rank != self.rank:
-                        payload = torch.cat([buffers[n][a - segment.start : b - segment.start] for a, b in segment.wanted(rank)])
-                        ops.append(dist.P2POp(dist.isend, payload, self._peer(rank), self.group, tag=n))
+                        spans = segment.wanted(rank)
+                        payload = torch.cat([buffers[n][a - segment.start : b - segment.start] for a, b in spans])
+                        ops.append(dist.P2POp(dist.isend, payload.to(self.device), self._peer(rank), self.group, tag=n))
             elif self.rank in segment.needs:
                 size = sum(b - a for a, b in segment.wanted(self.rank))
-                received[n] = torch.empty(size, dtype=torch.uint8)
+                received[n] = torch.empty(size, dtype=torch.uint8, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, received[n], self._peer(segment.reader), self.group, tag=n))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return received
+        return {n: tensor.cpu() for n, tensor in received.items()}
 
     def _peer(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
