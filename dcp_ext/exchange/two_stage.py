@@ -113,13 +113,14 @@ def _batches(segments: list[Segment], budget: int) -> list[list[int]]:
     return [b for b in batches if b]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Piece:
-    """Part of a request's target memory that receives bytes [offset, offset + len)."""
+    """One byte range of one request: file bytes [offset, offset + length)."""
 
     request: int
+    range_no: int
     offset: int
-    view: memoryview
+    length: int
 
 
 class TwoStageExchange:
@@ -221,24 +222,44 @@ class TwoStageExchange:
 
 
 class _Pieces:
-    """This rank's request targets, indexed by file position, filled segment by segment."""
+    """This rank's requests, indexed by file position, filled segment by segment.
+
+    A request's target memory is asked for only when its first bytes arrive and released
+    (``complete``) as soon as its last byte has landed, so temporary buffers live only
+    while their bytes are in transit.
+    """
 
     def __init__(self, requests: list[Request]):
         self.requests = requests
         self.remaining = [r.nbytes for r in requests]
+        self.views: dict[int, list[list[tuple[int, memoryview]]]] = {}
         self.by_path: dict[str, list[_Piece]] = defaultdict(list)
         for index, request in enumerate(requests):
-            targets = iter(request.targets())
-            for offset, length in request.ranges:
-                while length > 0:
-                    view = next(targets)
-                    self.by_path[request.path].append(_Piece(index, offset, view))
-                    offset += view.nbytes
-                    length -= view.nbytes
-        self.starts = {}
+            for range_no, (offset, length) in enumerate(request.ranges):
+                if length:
+                    self.by_path[request.path].append(_Piece(index, range_no, offset, length))
+        self.starts: dict[str, list[int]] = {}
+        self.longest: dict[str, int] = {}
         for path, pieces in self.by_path.items():
             pieces.sort(key=lambda p: p.offset)
             self.starts[path] = [p.offset for p in pieces]
+            self.longest[path] = max(p.length for p in pieces)
+
+    def _views(self, piece: _Piece) -> list[tuple[int, memoryview]]:
+        """(file offset, target memory) covering the piece, from the request's targets."""
+        if piece.request not in self.views:
+            request = self.requests[piece.request]
+            targets = iter(request.targets())
+            per_range = []
+            for offset, length in request.ranges:
+                views, end = [], offset + length
+                while offset < end:
+                    view = next(targets)
+                    views.append((offset, view))
+                    offset += view.nbytes
+                per_range.append(views)
+            self.views[piece.request] = per_range
+        return self.views[piece.request][piece.range_no]
 
     def fill(self, segment: Segment, whole: torch.Tensor | None, packed: torch.Tensor | None, rank: int) -> None:
         """Copy the segment's bytes (read here, or received packed) into overlapping pieces."""
@@ -255,21 +276,29 @@ class _Pieces:
                 cursor += b - a
         pieces, starts = self.by_path[segment.path], self.starts[segment.path]
         for a, b in spans:
-            first = max(0, bisect.bisect_right(starts, a) - 1)
+            first = bisect.bisect_left(starts, a - self.longest[segment.path] + 1)
             for piece in pieces[first:]:
                 if piece.offset >= b:
                     break
-                lo, hi = max(a, piece.offset), min(b, piece.offset + piece.view.nbytes)
-                if lo >= hi:
-                    continue
-                src = position[a] + lo - a
-                piece.view[lo - piece.offset : hi - piece.offset] = source[src : src + hi - lo]
-                self.remaining[piece.request] -= hi - lo
-                if self.remaining[piece.request] == 0:
-                    self.requests[piece.request].complete()
+                lo, hi = max(a, piece.offset), min(b, piece.offset + piece.length)
+                if lo < hi:
+                    self._copy(piece, lo, hi, source, position[a] + lo - a)
+
+    def _copy(self, piece: _Piece, lo: int, hi: int, source: memoryview, src: int) -> None:
+        """Copy file bytes [lo, hi) (at ``source[src:]``) into the piece's target memory."""
+        for offset, view in self._views(piece):
+            a, b = max(lo, offset), min(hi, offset + view.nbytes)
+            if a < b:
+                view[a - offset : b - offset] = source[src + a - lo : src + b - lo]
+        self.remaining[piece.request] -= hi - lo
+        if self.remaining[piece.request] == 0:
+            self.requests[piece.request].complete()
+            del self.views[piece.request]
 
     def finish(self) -> None:
         """Every byte of every request must have arrived (a bug otherwise, never silent)."""
         for request, left in zip(self.requests, self.remaining):
             if left:
                 raise CheckpointError(f"two-stage load left {left} bytes of {request.path!r} key {request.key!r} unfilled")
+            if not request.nbytes:  # nothing to receive: complete it here
+                request.complete()
