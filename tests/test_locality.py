@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.cli.inspect_cmd import describe
 from dcp_ext.storage.catalog import read_catalog
 from dcp_ext.storage.location import Location
 from mp import assert_tensor_equal, garbage_like, run_job
@@ -62,6 +63,10 @@ def test_each_tp_rank_reads_only_its_own_files(tmp_path):
         files = [catalog.items[index].relative_path] + [c.relative_path for c in catalog.copies[index]]
         assert sorted(f.split("_")[2] for f in files) == ["0", "1", "2", "3"]
     assert len(catalog.metadata.state_dict_metadata) == len(SPECS)  # plain keys only
+    stats = describe(str(tmp_path / "locality"), stats=True)["stats"]  # dcp-ext inspect --stats
+    assert stats["replica_copies"] == 3 * len(replicated)
+    assert sorted(stats["bytes_per_rank"]) == [0, 1, 2, 3]
+    assert stats["largest"][0]["key"] in ("attn.qkv.weight", "attn.proj.weight")
 
 
 @pytest.mark.parametrize("reader", ["stock", "ours-1proc"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import re
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -13,16 +15,22 @@ from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.describe import describe_source
 from dcp_ext.megatron.detect import open_source
 from dcp_ext.megatron.torch_dist import torch_dist_view
-from dcp_ext.storage.catalog import read_catalog
+from dcp_ext.storage.catalog import Catalog, read_catalog
 from dcp_ext.storage.location import Location
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="checkpoint directory or URL")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--stats", action="store_true", help="add where the bytes are: per rank file, per rank, copies, largest tensors"
+    )
+
+_RANK_FILE = re.compile(r"^__(\d+)_")
+LARGEST = 10
 
 
-def describe(path: str) -> dict[str, Any]:
+def describe(path: str, stats: bool = False) -> dict[str, Any]:
     location, megatron = Location(path), MegatronOptions(allow_incomplete=True)
     source = open_source(location, megatron, cached=False)
     if source is not None:  # Megatron zarr / legacy
@@ -45,17 +53,43 @@ def describe(path: str) -> dict[str, Any]:
             item = catalog.items[MetadataIndex(fqn)]
             keys.append({"key": fqn, "kind": "bytes", "dtype": None, "shape": None, "chunks": 1,
                          "bytes": item.length, "files": [item.relative_path]})
-    return {
+    info = {
         "path": catalog.url,
         "index": catalog.indexed,
         "keys": keys,
         "files": len({i.relative_path for i in catalog.items.values()}),
         "bytes": sum(i.length for i in catalog.items.values()),
     }
+    if stats:
+        info["stats"] = storage_stats(catalog, keys)
+    return info
+
+
+def storage_stats(catalog: Catalog, keys: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the bytes are: per data file, per saving rank, TP-replica copies, largest tensors."""
+    files: dict[str, dict[str, int]] = {}
+    for item in itertools.chain(catalog.items.values(), *catalog.copies.values()):
+        entry = files.setdefault(item.relative_path, {"items": 0, "bytes": 0})
+        entry["items"] += 1
+        entry["bytes"] += item.length
+    per_rank: dict[int, int] = {}  # -1: files no rank prefix names
+    for name, entry in files.items():
+        match = _RANK_FILE.match(name)
+        rank = int(match.group(1)) if match else -1
+        per_rank[rank] = per_rank.get(rank, 0) + entry["bytes"]
+    copies = [c for group in catalog.copies.values() for c in group]
+    largest = sorted((k for k in keys if k["kind"] == "tensor"), key=lambda k: -k["bytes"])[:LARGEST]
+    return {
+        "files": dict(sorted(files.items())),
+        "bytes_per_rank": dict(sorted(per_rank.items())),
+        "replica_copies": len(copies),
+        "replica_bytes": sum(c.length for c in copies),
+        "largest": [{"key": k["key"], "bytes": k["bytes"], "shape": k["shape"], "dtype": k["dtype"]} for k in largest],
+    }
 
 
 def main(args: argparse.Namespace) -> int:
-    info = describe(args.path)
+    info = describe(args.path, stats=args.stats)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -69,4 +103,18 @@ def main(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     source = info.get("format") or ("dcp_ext index" if info["index"] else ".metadata pickle (restricted)")
     print(f"\n{len(info['keys'])} keys, {info['files']} files, {info['bytes']} bytes; metadata from {source}")
+    if "stats" in info:
+        _print_stats(info["stats"])
     return 0
+
+
+def _print_stats(stats: dict[str, Any]) -> None:
+    per_rank = stats["bytes_per_rank"]
+    print("\nbytes per saving rank: " + ", ".join(f"{rank}: {n}" for rank, n in per_rank.items()))
+    if per_rank:
+        values = list(per_rank.values())
+        print(f"balance: max/mean {max(values) / (sum(values) / len(values)):.2f}")
+    print(f"TP-replica copies: {stats['replica_copies']} ({stats['replica_bytes']} bytes)")
+    print("largest tensors:")
+    for k in stats["largest"]:
+        print(f"  {k['key']}  {k['dtype']}  {'x'.join(map(str, k['shape']))}  {k['bytes']} bytes")
