@@ -52,7 +52,7 @@ def _load(rank: int, world: int, path: str, two_stage: bool, layout: str) -> tup
     return reader.stats.bytes_read, sum(v.numel() * v.element_size() for v in expected.values())
 
 
-def _unique_payload(path: str) -> int:
+def _unique_payload() -> int:
     return sum(t.numel() * t.element_size() for t in full_tensors().values())
 
 
@@ -65,7 +65,7 @@ def _traffic(path: str, layout: str, two_stage: bool) -> int:
 def test_each_stored_byte_is_read_once_per_group(tmp_path, layout, copies):
     """DP=4 (every rank needs everything) and TP=2 x DP=2 (each TP shard needed twice)."""
     _save_plain(str(tmp_path))
-    unique = _unique_payload(str(tmp_path))
+    unique = _unique_payload()
     plain = _traffic(str(tmp_path), layout, False)
     staged = _traffic(str(tmp_path), layout, True)
     assert plain >= 0.95 * copies * unique
@@ -75,7 +75,7 @@ def test_each_stored_byte_is_read_once_per_group(tmp_path, layout, copies):
 def test_resharded_two_stage_load_sends_only_needed_slices(tmp_path):
     _save_plain(str(tmp_path))  # whole tensors; every rank needs a column slice of each
     results = run_job(_load, 4, str(tmp_path), True, "cols")
-    assert sum(read for read, _ in results) <= 1.05 * _unique_payload(str(tmp_path))
+    assert sum(read for read, _ in results) <= 1.05 * _unique_payload()
 
 
 def _load_expecting_failure(rank: int, world: int, paths: list[str]) -> str:
@@ -105,12 +105,21 @@ def test_one_rank_failing_makes_every_rank_raise_the_same_error(tmp_path):
     assert len({m.split(": two-stage", 1)[1] for m in messages}) == 1  # same failure everywhere
 
 
-def _group_of_two(rank: int, world: int, path: str) -> int:
-    """Two independent DP groups {0,1} and {2,3}: each group reads everything once."""
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+def _load_everything(rank: int, world: int, path: str, variant: str) -> int:
+    """Every rank loads all tensors with a two-stage reader; returns bytes read from storage.
+
+    ``groups``: two independent DP groups {0,1} and {2,3}, each reading everything once.
+    ``small_batches``: a 48 KiB budget, so many batches, each read while the previous one
+    is exchanged.
+    """
+    if variant == "groups":
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        options = {"group": groups[rank // 2]}
+    else:
+        options = {"exchange_budget_bytes": 48 << 10}
     full = full_tensors()
     state = {k: garbage_like(v) for k, v in full.items()}
-    reader = ShardReader(path, two_stage=True, group=groups[rank // 2])
+    reader = ShardReader(path, two_stage=True, **options)
     dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
     for name, value in state.items():
         assert_tensor_equal(value, full[name], name)
@@ -119,25 +128,14 @@ def _group_of_two(rank: int, world: int, path: str) -> int:
 
 def test_explicit_group_reads_once_per_group(tmp_path):
     _save_plain(str(tmp_path))
-    reads = run_job(_group_of_two, 4, str(tmp_path))
-    unique = _unique_payload(str(tmp_path))
+    reads = run_job(_load_everything, 4, str(tmp_path), "groups")
+    unique = _unique_payload()
     assert unique <= reads[0] + reads[1] <= 1.05 * unique
     assert unique <= reads[2] + reads[3] <= 1.05 * unique
 
 
-def _small_batches(rank: int, world: int, path: str) -> int:
-    """A 48 KiB budget: many batches, each read while the previous one is exchanged."""
-    full = full_tensors()
-    state = {k: garbage_like(v) for k, v in full.items()}
-    reader = ShardReader(path, two_stage=True, exchange_budget_bytes=48 << 10)
-    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
-    for name, value in state.items():
-        assert_tensor_equal(value, full[name], name)
-    return reader.stats.bytes_read
-
-
 def test_many_small_batches_overlap_reading_and_sending(tmp_path):
     _save_plain(str(tmp_path))
-    reads = run_job(_small_batches, 4, str(tmp_path))
-    unique = _unique_payload(str(tmp_path))
+    reads = run_job(_load_everything, 4, str(tmp_path), "small_batches")
+    unique = _unique_payload()
     assert unique <= sum(reads) <= 1.05 * unique

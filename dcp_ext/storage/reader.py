@@ -324,19 +324,22 @@ def _coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:
     """Merge the ranges of a task into scatter reads, reading small holes into scratch."""
     runs: list[tuple[int, list[Any]]] = []
     end = -1
+    merged = 0  # bytes of the open run: holes under 1/32 of it are read through
     for request in task:
         targets = iter(request.targets())
         for offset, length in request.ranges:
-            buffers = []
-            while sum(b.nbytes for b in buffers) < length:
+            buffers, filled = [], 0
+            while filled < length:
                 buffers.append(next(targets))
+                filled += buffers[-1].nbytes
             gap = offset - end
-            merged = sum(b.nbytes for b in runs[-1][1]) if runs else 0
             if runs and 0 <= gap <= max(SMALL_GAP_BYTES, min(GAP_BYTES, merged // 32)):
                 if gap:
                     runs[-1][1].append(memoryview(bytearray(gap)))
                 runs[-1][1].extend(buffers)
+                merged += gap + length
             else:
                 runs.append((offset, buffers))
+                merged = length
             end = offset + length
     return runs
