@@ -189,6 +189,14 @@ def test_hostile_bytes_item_runs_nothing(tmp_path):
     assert not canary.exists()
 
 
+def test_non_tensor_item_never_replaces_a_tensor(tmp_path):
+    """A checkpoint (or a hostile index) storing a key as bytes cannot swap out a tensor."""
+    save({"w": 5}, tmp_path)
+    state = {"w": torch.ones(3)}
+    error = load_error(state, tmp_path)
+    assert isinstance(error, CorruptCheckpointError) and "'w'" in str(error) and "non-tensor" in str(error)
+
+
 # -- the index ---------------------------------------------------------------------------
 def rewrite_index(path, mutate) -> None:
     """Replace the index with ``mutate(rows, schema)``'s table; re-sign it in the marker."""

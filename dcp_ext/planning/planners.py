@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
 
-from dcp_ext.errors import UnsafeCheckpointError
+from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.planning.local_plan import plain, with_extras
 from dcp_ext.planning.locality import add_replica_copies, canonical_index, tp_coordinate
@@ -80,6 +80,11 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        if isinstance(self.state_dict.get(fqn), torch.Tensor):  # DCP would swap the tensor out
+            raise CorruptCheckpointError(
+                f"key {fqn!r}: the state dict holds a tensor here but the checkpoint stores a non-tensor "
+                "item; refusing to replace the tensor with it"
+            )
         if self.allow_unsafe_bytes:
             obj = torch.load(value, weights_only=False)
         else:
