@@ -7,6 +7,7 @@ from dcp_ext.errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
+from dcp_ext.observe import LoadReport, SaveReport, add_report_callback, remove_report_callback
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict, with_checkpoint_placements
 from dcp_ext.planning.planners import ShardLoadPlanner, ShardSavePlanner
 from dcp_ext.planning.replica_check import ReplicaMismatchError
@@ -19,15 +20,19 @@ __all__ = [
     "CheckpointExistsError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "LoadReport",
     "PlacementFn",
     "ReadStats",
     "ReplicaMismatchError",
+    "SaveReport",
     "ShardLoadPlanner",
     "ShardReader",
     "ShardSavePlanner",
     "ShardWriter",
     "UnsafeCheckpointError",
+    "add_report_callback",
     "checkpoint_state_dict",
     "clear_metadata_cache",
+    "remove_report_callback",
     "with_checkpoint_placements",
 ]

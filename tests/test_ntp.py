@@ -33,8 +33,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.ntp import NonuniformTP, NTPShard, ntp_shard
-from dcp_ext.planning.dedup import balanced_dedup, refine_overlapping_chunks
 from mp import assert_tensor_equal, garbage_like, run_job
+from planning_util import deduped, global_plan
 
 LAYOUT = NonuniformTP(tp_base=4, tp_spares=2, num_reduced_tp_dp_ranks=1, non_active_ranks_per_dp={0: [0, 2]})
 COORDS = [(dp, slot) for dp in range(2) for slot in LAYOUT.active_slots(dp)]  # rank -> (dp, slot)
@@ -164,10 +164,10 @@ def _boxes(plans: list[SavePlan], fqn: str) -> list[tuple[int, int]]:
 
 def test_refined_dedup_writes_each_row_once_from_a_holder():
     local = _ntp_plans()
-    deduped = balanced_dedup(refine_overlapping_chunks(local))
-    assert _boxes(deduped, "w") == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 1), (7, 1)]
-    assert _boxes(deduped, "norm") == [(0, 5)]
-    for rank, plan in enumerate(deduped):  # a rank writes only rows it holds
+    written = deduped(local)
+    assert _boxes(written, "w") == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 1), (7, 1)]
+    assert _boxes(written, "norm") == [(0, 5)]
+    for rank, plan in enumerate(written):  # a rank writes only rows it holds
         held = {r for a, n in _boxes([local[rank]], "w") for r in range(a, a + n)}
         assert all(set(range(a, a + n)) <= held for a, n in _boxes([plan], "w"))
 
@@ -175,10 +175,10 @@ def test_refined_dedup_writes_each_row_once_from_a_holder():
 def test_refinement_leaves_ordinary_plans_alone():
     uniform = [SavePlan([_item([2 * r, 0], [2, 3], (8, 3))]) for r in range(4)]
     plans = uniform + uniform  # a second, identical replica
-    assert refine_overlapping_chunks(plans) is plans
+    assert global_plan(plans).assignments[0].cuts is None
     # an irregular but disjoint tiling stays whole, though a grid would cut the first tile
     tiles = [SavePlan([_item(o, s, (4, 6))]) for o, s in (([0, 0], [4, 3]), ([0, 3], [2, 3]), ([2, 3], [2, 3]))]
-    assert refine_overlapping_chunks(tiles) is tiles
+    assert global_plan(tiles).assignments[0].cuts is None
 
 
 # -- multi-process: B2, B3, B4 ------------------------------------------------------------

@@ -26,9 +26,8 @@ from dcp_ext import (
     ShardWriter,
     with_checkpoint_placements,
 )
-from dcp_ext.planning.local_plan import ShardLocalPlan
-from dcp_ext.planning.replica_check import checked_plans
 from mp import assert_tensor_equal, garbage_like, run_job
+from planning_util import digest_rows, global_plan, shard_item
 
 EXPERTS = [f"layers.{i}.mlp.experts.fc1.weight0" for i in range(4)]
 EVEN, UNEVEN = "layers.0.mlp.experts.fc1.weight0", "layers.0.mlp.experts.fc2.weight0"
@@ -266,15 +265,12 @@ def test_a4_all_replicate_keeps_fsdp_chunks(tmp_path):
 # --------------------------------------------------------------------------- replica check (no processes)
 
 
-def _plan(digests: dict) -> SavePlan:
-    return ShardLocalPlan(items=[], chunk_digests=digests)
-
-
 def test_replica_check_compares_digests_per_chunk():
-    key = ("w", (0, 0), (4, 3))
-    other = ("w", (0, 0), (2, 3))  # same offsets, other size: a layout question, not this check's
-    plans = [_plan({key: b"a", other: b"x"}), _plan({key: b"a"}), _plan({key: b"b", other: b"y"})]
+    whole, top = shard_item("w", (0, 0), (4, 3), (4, 3)), shard_item("w", (0, 0), (2, 3), (4, 3))
+    plans = [SavePlan([whole, top]), SavePlan([whole]), SavePlan([whole, top])]
+    # same offsets, other size ("top"): a layout question (refined), not this check's
+    digests = [digest_rows(b"a", b"x"), digest_rows(b"a"), digest_rows(b"b", b"y")]
     with pytest.raises(ReplicaMismatchError, match=r"'w' chunk at offsets \[0, 0\] size \[4, 3\]: ranks \[0, 1\] vs ranks \[2\]"):
-        checked_plans(plans, None)
-    same = checked_plans([_plan({key: b"a"}), _plan({key: b"a"})], None)
-    assert [type(p) for p in same] == [SavePlan, SavePlan]  # digests stay off the scattered plans
+        global_plan(plans, chunk_digests=digests)
+    same = global_plan([SavePlan([whole]), SavePlan([whole])], chunk_digests=[digest_rows(b"a"), digest_rows(b"a")])
+    assert sorted(len(a.rows) for a in same.assignments) == [0, 1]  # written once

@@ -1,4 +1,4 @@
-"""Balanced dedup of replicated items (pure planning, no processes needed)."""
+"""Global save planning: balanced dedup, validation, caching (no processes needed)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcp_ext.planning.dedup import balanced_dedup
+from planning_util import deduped
 
 
 def _item(fqn: str, nbytes: int) -> WriteItem:
@@ -32,16 +32,16 @@ def test_balanced_where_first_seen_greedy_is_not():
         SavePlan([_item("r1", 200), _item("r2", 200)]),
         SavePlan([_item("r1", 200), _item("r2", 200), _item("own", 400)]),
     ]
-    deduped = balanced_dedup(plans)
-    assert _bytes_per_rank(deduped) == [400, 400]
+    written = deduped(plans)
+    assert _bytes_per_rank(written) == [400, 400]
 
 
 def test_every_item_written_exactly_once_by_a_holder():
     plans = [SavePlan([_item(f"t{k}", 10 * (k + 1)) for k in range(r, 12)]) for r in range(4)]
-    deduped = balanced_dedup(plans)
-    written = [i.index.fqn for p in deduped for i in p.items]
-    assert sorted(written) == sorted(f"t{k}" for k in range(12))
-    for rank, plan in enumerate(deduped):
+    written = deduped(plans)
+    names = [i.index.fqn for p in written for i in p.items]
+    assert sorted(names) == sorted(f"t{k}" for k in range(12))
+    for rank, plan in enumerate(written):
         assert all(int(i.index.fqn[1:]) >= rank for i in plan.items)  # only holders write
-    loads = _bytes_per_rank(deduped)
+    loads = _bytes_per_rank(written)
     assert max(loads) - min(loads) <= 120

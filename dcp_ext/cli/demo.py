@@ -4,7 +4,8 @@ A gloo group of `save_world` CPU processes trains a toy FSDP2 + tensor-parallel 
 one AdamW step and saves model and optimizer state with `ShardWriter`. A second group of
 `load_world` processes then loads that checkpoint, resharded, with `ShardReader` and with
 stock DCP's `FileSystemReader`, checks every value bit-exact against full tensors recorded
-before the save, and times both loads.
+before the save, and times both loads. Every rank's `SaveReport` and `LoadReport` (see
+`dcp_ext.observe`) are printed as a table: where each rank's time and bytes went.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext import LoadReport, SaveReport, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.cli.toy_model import build_sharded_model, train_one_step
 
 CHECKPOINT_DIR = "checkpoint"
@@ -43,7 +44,9 @@ LOAD_RESULT = "load_result.json"
 # one-off costs (first-call imports, a busy core) do not decide the comparison. Later
 # ShardReader rounds hit its per-process metadata cache, as a job's repeated loads would.
 LOAD_ROUNDS = 3
-STAT_FIELDS = ("bytes_read", "files_opened", "metadata_reads", "items_read", "seconds")
+# Counts shown after the per-phase seconds in the report tables.
+SAVE_COLUMNS = ("bytes_written", "files_written", "items_written")
+LOAD_COLUMNS = ("bytes_read", "files_opened", "items_read")
 GROUP_TIMEOUT = timedelta(minutes=2)
 
 StateDict = dict[str, Any]
@@ -102,7 +105,6 @@ def main(args: argparse.Namespace) -> int:
 
 def format_report(report: dict) -> str:
     """Human-readable form of the report returned by `run_demo`."""
-    stats = report["reader_stats"]
     lines = [
         f"saved at world {report['save_world']}, reloaded at world {report['load_world']}",
         f"checkpoint:   {report['checkpoint_bytes']:,} bytes in "
@@ -111,8 +113,8 @@ def format_report(report: dict) -> str:
         f"load:         {report['load_seconds']:.3f} s dcp_ext vs "
         f"{report['stock_load_seconds']:.3f} s stock FileSystemReader "
         f"({report['load_speedup']:.2f}x, best of {LOAD_ROUNDS})",
-        "reader stats: " + ", ".join(f"{k}={_short(v)}" for k, v in stats.items())
-        + " (rank 0, first load)",
+        *_report_table("save", report["save_reports"], SAVE_COLUMNS),
+        *_report_table("load", report["load_reports"], LOAD_COLUMNS),
     ]
     if report["workdir"]:
         lines.append(f"workdir:      {report['workdir']}")
@@ -121,8 +123,16 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _short(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+def _report_table(kind: str, reports: list[dict], columns: tuple[str, ...]) -> list[str]:
+    """One row per rank: each phase's seconds, then the chosen counts (ShardReader: first load)."""
+    phases = list(reports[0]["seconds"])
+    header = f"{kind + ' (s)':<14}" + "".join(f"{p:>9}" for p in phases) + "".join(f"{c:>15}" for c in columns)
+    rows = [
+        f"  rank {r['rank']:<6}" + "".join(f"{r['seconds'][p]:>9.3f}" for p in phases)
+        + "".join(f"{r[c]:>15,}" for c in columns)
+        for r in reports
+    ]
+    return [header, *rows]
 
 
 def _prepare_workdir(root: Path) -> None:
@@ -170,11 +180,11 @@ def _save_worker(rank: int, world: int, port: int, root: str) -> None:
         reference = _full_values(state)
         if rank == 0:
             torch.save(reference, Path(root) / REFERENCE_FILE)
-        ckpt = str(Path(root) / CHECKPOINT_DIR)
-        seconds = _timed(lambda: dcp.save(state, storage_writer=ShardWriter(ckpt),
-                                          planner=ShardSavePlanner()))
+        writer = ShardWriter(str(Path(root) / CHECKPOINT_DIR))
+        seconds = _timed(lambda: dcp.save(state, storage_writer=writer, planner=ShardSavePlanner()))
+        reports = _gather_reports(writer.last_report)
         if rank == 0:
-            _write_json(Path(root) / SAVE_RESULT, {"save_seconds": seconds})
+            _write_json(Path(root) / SAVE_RESULT, {"save_seconds": seconds, "save_reports": reports})
 
 
 def _load_worker(rank: int, world: int, port: int, root: str) -> None:
@@ -198,11 +208,12 @@ def _load_worker(rank: int, world: int, port: int, root: str) -> None:
         reference = torch.load(Path(root) / REFERENCE_FILE, weights_only=True)
         mismatches = _mismatches(reference, _full_values(_state_dict(model, optimizer)))
         mismatches += [f"stock:{key}" for key in _mismatches(reference, _full_values(stock))]
+        reports = _gather_reports(readers[0].last_report)
         if rank == 0:
             _write_json(Path(root) / LOAD_RESULT, {
                 "load_seconds": min(ours_times),
                 "stock_load_seconds": min(stock_times),
-                "reader_stats": _reader_stats(readers[0]),
+                "load_reports": reports,
                 "tensors_checked": sum(torch.is_tensor(v) for v in reference.values()),
                 "mismatches": mismatches,
             })
@@ -274,9 +285,11 @@ def _identical(expected: Any, actual: Any) -> bool:
     return expected == actual
 
 
-def _reader_stats(reader: ShardReader) -> dict[str, Any]:
-    """The reader's counters, by name, as plain JSON values."""
-    return {field: getattr(reader.stats, field) for field in STAT_FIELDS}
+def _gather_reports(report: SaveReport | LoadReport) -> list[dict] | None:
+    """Every rank's report as a dict, in rank order, on rank 0 (a collective)."""
+    reports: list[dict] | None = [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(report.to_dict(), reports, dst=0)
+    return reports
 
 
 def _write_json(path: Path, payload: dict) -> None:

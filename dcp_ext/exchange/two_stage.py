@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.observe import PhaseClock
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
 
@@ -124,7 +125,12 @@ class _Piece:
 
 
 class TwoStageExchange:
-    """Runs one rank's requests through a group-wide read-once-and-exchange."""
+    """Runs one rank's requests through a group-wide read-once-and-exchange.
+
+    After ``run``, ``seconds`` holds the time this rank spent in the group's collectives
+    and transfers (storage reads overlap them in a prefetch thread and are not counted)
+    and ``bytes_received`` the bytes other ranks sent it.
+    """
 
     def __init__(self, location: Location, group: dist.ProcessGroup | None, budget_bytes: int, thread_count: int):
         self.location = location
@@ -136,6 +142,8 @@ class TwoStageExchange:
         # NCCL moves only CUDA tensors: stage transfers on this rank's GPU there.
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.clock = PhaseClock(("exchange",))
+        self.bytes_received = 0
 
     def run(self, requests: list[Request], planning_error: BaseException | None = None) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes this rank read from storage, files it opened).
@@ -146,7 +154,8 @@ class TwoStageExchange:
         mine = [(r.path, offset, length) for r in requests for offset, length in r.ranges]
         published = f"{type(planning_error).__name__}: {planning_error}" if planning_error else mine
         everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, published, group=self.group)
+        with self.clock.phase("exchange"):
+            dist.all_gather_object(everyone, published, group=self.group)
         self._raise_if_failed([e if isinstance(e, str) else None for e in everyone], "planning the load")
         segments = plan_segments(everyone)
         pieces = _Pieces(requests)
@@ -162,7 +171,8 @@ class TwoStageExchange:
                 self._agree(error)
                 bytes_read += read
                 files.update(segments[n].path for n in batch if segments[n].reader == self.rank)
-                received = self._exchange(segments, batch, buffers)
+                with self.clock.phase("exchange"):
+                    received = self._exchange(segments, batch, buffers)
                 for n in batch:
                     pieces.fill(segments[n], buffers.get(n), received.get(n), self.rank)
         pieces.finish()
@@ -186,7 +196,8 @@ class TwoStageExchange:
 
     def _agree(self, error: str | None) -> None:
         errors: list[str | None] = [None] * self.world
-        dist.all_gather_object(errors, error, group=self.group)
+        with self.clock.phase("exchange"):
+            dist.all_gather_object(errors, error, group=self.group)
         self._raise_if_failed(errors, "reading from storage")
 
     def _raise_if_failed(self, errors: list[str | None], phase: str) -> None:
@@ -215,7 +226,12 @@ class TwoStageExchange:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        self.bytes_received += sum(tensor.numel() for tensor in received.values())
         return {n: tensor.cpu() for n, tensor in received.items()}
+
+    @property
+    def seconds(self) -> float:
+        return self.clock.seconds["exchange"]
 
     def _peer(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.storage.location import check_relative_name
@@ -78,10 +79,7 @@ def _check_location(index: MetadataIndex, item: StoredItem, source: str) -> None
         or type(payload) is not int
         or not (payload == -1 or item.offset <= payload <= item.offset + item.length)
     ):
-        raise CorruptCheckpointError(
-            f"{source}: key {index.fqn!r} has an invalid byte range offset={item.offset!r} "
-            f"length={item.length!r} tensor data at {payload!r}"
-        )
+        raise invalid_byte_range(source, index.fqn, item.offset, item.length, payload)
 
 
 def _check_tensor(
@@ -93,7 +91,7 @@ def _check_tensor(
 ) -> None:
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not _non_negative_ints(md.size):
-        raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has an invalid dtype {dtype!r} or shape {md.size!r}")
+        raise invalid_tensor_facts(source, fqn, dtype, md.size)
     if not isinstance(md.chunks, list):
         raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has no chunk list")
     for chunk in md.chunks:
@@ -105,10 +103,7 @@ def _check_tensor(
             or not _non_negative_ints(sizes)
             or any(o + s > n for o, s, n in zip(offsets, sizes, md.size))
         ):
-            raise CorruptCheckpointError(
-                f"{source}: tensor {fqn!r} chunk at {list(offsets)} of size {list(sizes)} "
-                f"does not fit its global shape {list(md.size)}"
-            )
+            raise chunk_outside_tensor(source, fqn, offsets, sizes, md.size)
         index = MetadataIndex(fqn, offsets)
         item = items.get(index)
         if item is None:
@@ -118,8 +113,6 @@ def _check_tensor(
             if nbytes > stored.length or (
                 stored.payload_offset >= 0 and stored.payload_offset + nbytes > stored.offset + stored.length
             ):
-                raise CorruptCheckpointError(
-                    f"{source}: tensor {fqn!r} chunk at {list(offsets)} needs {nbytes} bytes but its record in "
-                    f"{stored.relative_path!r} (bytes [{stored.offset}, {stored.offset + stored.length}), tensor "
-                    f"data at {stored.payload_offset}) cannot hold them"
+                raise record_too_small(
+                    source, fqn, offsets, nbytes, stored.relative_path, stored.offset, stored.length, stored.payload_offset
                 )

@@ -1,15 +1,11 @@
-"""Balanced deduplication of replicated save items, after refining overlapping chunks.
+"""Refinement of partially overlapping chunks, and the data of a refined chunk.
 
-DCP keeps one writer per replicated item greedily in first-seen order (two 200 B items
-and a 400 B item on 2 ranks can end 200 B vs 600 B). We give every rank first the items
-only it holds, then hand out replicated items largest first, each to the least loaded
-rank that holds it.
-
-DCP also merges items by ``MetadataIndex(fqn, offset)`` alone, so replicas holding
+DCP merges items by ``MetadataIndex(fqn, offset)`` alone, so replicas holding
 overlapping chunks of different sizes (nonuniform TP: a reduced replica's rows [0, 4)
 against a healthy core's [0, 2) and a spare's [2, 3)) end as overlapping chunks and a
-failed save. :func:`refine_overlapping_chunks` first splits such a tensor's chunks at
-the union of their boundaries, so every shared piece is an identical sub-chunk.
+failed save. The coordinator (``global_plan``) finds such keys and every rank splits
+their chunks at the union of all boundaries (:func:`refine_items`), so every shared piece
+is an identical sub-chunk that the ordinary dedup handles.
 """
 
 from __future__ import annotations
@@ -17,65 +13,22 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections import defaultdict
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+Cuts = dict[str, list[list[int]]]  # per key, per dim: the sorted boundaries to split at
 
 
-def _size(item: WriteItem) -> int:
-    return item.tensor_storage_size() or 1  # bytes items count as tiny but not free
-
-
-def balanced_dedup(plans: list[SavePlan]) -> list[SavePlan]:
-    holders: dict[MetadataIndex, list[int]] = defaultdict(list)
-    items: dict[MetadataIndex, WriteItem] = {}
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            holders[item.index].append(rank)
-            items.setdefault(item.index, item)
-    load = [0] * len(plans)
-    owner: dict[MetadataIndex, int] = {}
-    replicated = []
-    for index, ranks in holders.items():
-        if len(ranks) == 1:
-            owner[index] = ranks[0]
-            load[ranks[0]] += _size(items[index])
-        else:
-            replicated.append(index)
-    replicated.sort(key=lambda index: (-_size(items[index]), index.fqn))
-    for index in replicated:
-        rank = min(holders[index], key=lambda r: (load[r], r))
-        owner[index] = rank
-        load[rank] += _size(items[index])
-    return [
-        dataclasses.replace(plan, items=[item for item in plan.items if owner[item.index] == rank])
-        for rank, plan in enumerate(plans)
-    ]
-
-
-def refine_overlapping_chunks(plans: list[SavePlan]) -> list[SavePlan]:
-    """Split the chunks of every tensor whose chunks partially overlap at the union of all
-    its chunk boundaries; tensors whose chunks are identical or disjoint are untouched."""
-    boxes: dict[str, set[Box]] = defaultdict(set)
-    for item in _tensor_items(plans):
-        boxes[item.index.fqn].add(_box(item))
-    cuts = {fqn: _boundaries(found) for fqn, found in boxes.items() if _partially_overlap(found)}
-    if not cuts:
-        return plans
-    return [
-        dataclasses.replace(
-            plan,
-            items=[piece for item in plan.items for piece in _split(item, cuts.get(item.index.fqn))],
-        )
-        for plan in plans
-    ]
+def refine_items(items: list[WriteItem], cuts: Cuts) -> list[WriteItem]:
+    """``items`` with the chunks of every key in ``cuts`` split at its boundaries, in order.
+    The coordinator (on rebuilt items) and every rank (on its own) compute the same list."""
+    return [piece for item in items for piece in _split(item, cuts.get(item.index.fqn))]
 
 
 def chunk_view(obj: Any, item: WriteItem) -> torch.Tensor:
@@ -94,10 +47,6 @@ def chunk_view(obj: Any, item: WriteItem) -> torch.Tensor:
     )
 
 
-def _tensor_items(plans: list[SavePlan]) -> list[WriteItem]:
-    return [i for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO and i.tensor_data is not None]
-
-
 def _box(item: WriteItem) -> Box:
     chunk = item.tensor_data.chunk
     return tuple(chunk.offsets), tuple(chunk.sizes)
@@ -113,7 +62,7 @@ def _overlap(a: Box, b: Box) -> bool:
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]))
 
 
-def _partially_overlap(boxes: set[Box]) -> bool:
+def partially_overlap(boxes: set[Box]) -> bool:
     """Whether two distinct non-empty boxes overlap (scalars never do). A sweep along the
     dim with the most distinct offsets, so a sharded dim keeps the active set small."""
     found = [b for b in boxes if b[0] and all(b[1])]
@@ -131,7 +80,7 @@ def _partially_overlap(boxes: set[Box]) -> bool:
     return False
 
 
-def _boundaries(boxes: set[Box]) -> list[list[int]]:
+def boundaries(boxes: set[Box]) -> list[list[int]]:
     """Per dim, the sorted offsets and ends of all boxes."""
     ndim = len(next(iter(boxes))[0])
     return [sorted({o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d in range(ndim)]

@@ -1,39 +1,52 @@
-"""The local SavePlan our planners send to the coordinator, with our extra fields.
+"""The plans our save planner exchanges through DCP: columns up, row numbers down.
 
-DCP gathers each rank's ``SavePlan`` on the coordinator. We need a little more from every
-rank (a digest per chunk for the replica check, the rank's tensor-parallel coordinate for
-replica locality), so plans travel as this subclass and are turned back into plain
-``SavePlan`` objects before DCP's own global planning sees them.
+DCP gathers each rank's ``SavePlan`` on the coordinator and scatters one back. Ours carry
+no WriteItems on the wire: the local plan holds the rank's ``PlanTable`` (plus a digest per
+chunk for the replica check and the rank's tensor-parallel coordinate for replica
+locality), and the plan sent back holds a ``RankAssignment`` (rows of that table to write).
+Each rank keeps its own WriteItems and expands the assignment in ``finish_plan``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from torch.distributed.checkpoint.planner import SavePlan
+import numpy as np
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
+from dcp_ext.planning.dedup import refine_items
+from dcp_ext.planning.global_plan import RankAssignment
+from dcp_ext.planning.locality import copy_index
+from dcp_ext.planning.plan_table import PlanTable
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardLocalPlan(SavePlan):
-    chunk_digests: dict[ChunkKey, bytes] = dataclasses.field(default_factory=dict)
+    table: PlanTable | None = None
+    chunk_digests: np.ndarray | None = None  # (rows, 2) uint64, see replica_check
     tp_rank: int | None = None  # this rank's coordinate on the tensor-parallel mesh dim
 
 
-_EXTRA_FIELDS = ("chunk_digests", "tp_rank")
+@dataclasses.dataclass(frozen=True)
+class ShardGlobalPlan(SavePlan):
+    assignment: RankAssignment | None = None
 
 
-def with_extras(plan: SavePlan, **extras: Any) -> ShardLocalPlan:
-    """``plan`` carrying ``extras`` (and whatever extras it already had)."""
-    base = {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
-    kept = {name: getattr(plan, name) for name in _EXTRA_FIELDS if hasattr(plan, name)}
-    return ShardLocalPlan(**base, **{**kept, **extras})
+def assigned_items(items: list[WriteItem], assignment: RankAssignment) -> list[WriteItem]:
+    """The WriteItems a rank writes: its own ``items`` (refined like everyone's) picked by
+    the coordinator's row numbers, with DCP index hints, then its TP-replica copies."""
+    if assignment.cuts:
+        items = refine_items(items, assignment.cuts)
+    written = [_with_hint(items[row], hint) for row, hint in zip(assignment.rows.tolist(), assignment.hints.tolist())]
+    copies = [
+        dataclasses.replace(items[row], index=copy_index(items[row].index, tp))
+        for row, tp in zip(assignment.copy_rows.tolist(), assignment.copy_tp.tolist())
+    ]
+    return written + copies
 
 
-def plain(plan: SavePlan) -> SavePlan:
-    """The DCP SavePlan without our extras."""
-    if type(plan) is SavePlan:
-        return plan
-    return SavePlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)})
+def _with_hint(item: WriteItem, hint: int) -> WriteItem:
+    """``item`` carrying DCP's index hint (its chunk's position in the metadata)."""
+    if item.type == WriteItemType.BYTE_IO:
+        return item
+    return dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))

@@ -14,12 +14,9 @@ metadata; the writer maps them back with ``canonical_index``.
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 COPY_MARK = "\x00tp_copy:"  # cannot appear in a real state-dict key
@@ -41,43 +38,3 @@ def tp_coordinate(state_dict: dict[str, Any], dim_name: str) -> int | None:
         if isinstance(value, DTensor) and dim_name in (value.device_mesh.mesh_dim_names or ()):
             return value.device_mesh.get_local_rank(dim_name)
     return None
-
-
-def _nbytes(item: WriteItem) -> int:
-    return item.tensor_storage_size() or 0
-
-
-def add_replica_copies(
-    local_plans: list[SavePlan], global_plans: list[SavePlan], tp_ranks: list[int | None]
-) -> list[SavePlan]:
-    """Give each TP group that holds a replicated tensor item, but does not write it, a copy.
-
-    Within a group the copy goes to the least loaded holder. Items whose holders declare
-    different chunk sizes (refined nonuniform-TP chunks) are left alone.
-    """
-    holders: dict[MetadataIndex, list[tuple[int, WriteItem]]] = defaultdict(list)
-    for rank, plan in enumerate(local_plans):
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO:
-                holders[item.index].append((rank, item))
-    writers = {item.index: (rank, item) for rank, plan in enumerate(global_plans) for item in plan.items}
-    load = [sum(_nbytes(i) for i in plan.items) for plan in global_plans]
-    extra: list[list[WriteItem]] = [[] for _ in global_plans]
-    for index, held in holders.items():
-        written = writers.get(index)
-        if len(held) < 2 or written is None:
-            continue
-        sizes = {tuple(item.tensor_data.chunk.sizes) for _, item in held + [written]}
-        if len(sizes) != 1:
-            continue
-        groups: dict[int, list[int]] = defaultdict(list)
-        for rank, _ in held:
-            if tp_ranks[rank] is not None:
-                groups[tp_ranks[rank]].append(rank)
-        for group, members in sorted(groups.items()):
-            if group == tp_ranks[written[0]]:
-                continue
-            rank = min(members, key=lambda r: (load[r], r))
-            extra[rank].append(dataclasses.replace(written[1], index=copy_index(index, group)))
-            load[rank] += _nbytes(written[1])
-    return [dataclasses.replace(plan, items=plan.items + more) if more else plan for plan, more in zip(global_plans, extra)]

@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict
-from dcp_ext.planning.replica_check import checked_plans, with_digests
 
 
 class _Placements:
@@ -34,7 +32,8 @@ class _Placements:
 class PlacementSaveMixin:
     """Save side: ``placement_fn``/``mesh`` re-lay tensors before planning; with
     ``check_replicas`` (default) the coordinator refuses chunks declared by several ranks
-    with different data, which DCP would otherwise dedup silently."""
+    with different data, which DCP would otherwise dedup silently (the planner attaches
+    the digests, ``global_plan.check_replicas`` compares them)."""
 
     def __init__(
         self,
@@ -52,15 +51,6 @@ class PlacementSaveMixin:
         self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
         super().set_up_planner(self._placements.apply(state_dict), storage_meta, is_coordinator)  # type: ignore[misc]
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()  # type: ignore[misc]
-        if not self.check_replicas or not plan.usable:
-            return plan
-        return with_digests(plan, self.lookup_object)  # type: ignore[attr-defined]
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        return super().create_global_plan(checked_plans(all_plans, self._placements.mesh))  # type: ignore[misc]
 
 
 class PlacementLoadMixin:

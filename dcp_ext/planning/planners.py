@@ -14,46 +14,82 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, 
 
 from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.safe_load import safe_torch_load
-from dcp_ext.planning.local_plan import plain, with_extras
-from dcp_ext.planning.locality import add_replica_copies, canonical_index, tp_coordinate
-
-from dcp_ext.planning.dedup import balanced_dedup, chunk_view, refine_overlapping_chunks
+from dcp_ext.planning.dedup import chunk_view
+from dcp_ext.planning.global_plan import GlobalPlan, check_replicas, plan_globally
+from dcp_ext.planning.local_plan import ShardGlobalPlan, ShardLocalPlan, assigned_items
+from dcp_ext.planning.locality import canonical_index, tp_coordinate
 from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
+from dcp_ext.planning.plan_cache import cached_plan, remember_plan
+from dcp_ext.planning.plan_table import table_from_items
+from dcp_ext.planning.replica_check import chunk_digest_rows
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
-    """DefaultSavePlanner with replicated items balanced by bytes across their holders,
-    and partially overlapping chunks (nonuniform TP) refined so each element is saved once.
-    ``placement_fn``/``mesh``/``check_replicas``: see PlacementSaveMixin.
+    """DefaultSavePlanner's local plans, planned globally as columns (``global_plan``):
+    replicated items balanced by bytes across their holders, partially overlapping chunks
+    (nonuniform TP) refined so each element is saved once, ranks with identical plans planned
+    once. ``placement_fn``/``mesh``/``check_replicas``: see PlacementSaveMixin.
 
     ``replica_locality=True``: tensors replicated across the tensor-parallel mesh dim
     ``tp_dim`` are also written once per TP rank, into that rank's own file, so each rank
     later loads them from its own file (``dcp_ext.planning.locality``).
+
+    ``cache_plans=True``: the coordinator reuses the global plan of an earlier save whose
+    every local plan was identical (``dcp_ext.planning.plan_cache``); DCP's
+    ``enable_plan_caching`` is accepted as the same switch.
+
+    After a save, the coordinator's ``last_global_plan`` holds the plan with per-phase
+    seconds and counts, and ``plan_reused`` says whether it came from the cache.
     """
 
-    def __init__(self, *args: Any, replica_locality: bool = False, tp_dim: str = "tp", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        replica_locality: bool = False,
+        tp_dim: str = "tp",
+        cache_plans: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        cache_plans = kwargs.pop("enable_plan_caching", False) or cache_plans
         super().__init__(*args, **kwargs)
         self.replica_locality = replica_locality
         self.tp_dim = tp_dim
+        self.cache_plans = cache_plans
+        self.last_global_plan: GlobalPlan | None = None
+        self.plan_reused = False
+        self._local_items: list[WriteItem] = []
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        if self.replica_locality and plan.usable:
-            plan = with_extras(plan, tp_rank=tp_coordinate(self.state_dict, self.tp_dim))
-        return plan
+        items = super().create_local_plan().items  # DCP's WriteItems for this rank
+        self._local_items = items
+        return ShardLocalPlan(
+            items=[],
+            table=table_from_items(items, self.mappings if self.flatten_state_dict else None),
+            chunk_digests=chunk_digest_rows(items, self.lookup_object) if self.check_replicas else None,
+            tp_rank=tp_coordinate(self.state_dict, self.tp_dim) if self.replica_locality else None,
+        )
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if not self.replica_locality:
-            return super().create_global_plan(all_plans)
-        tp_ranks = [getattr(plan, "tp_rank", None) for plan in all_plans]
-        local_plans = [plain(plan) for plan in all_plans]
-        global_plans, metadata = super().create_global_plan(all_plans)
-        global_plans = add_replica_copies(local_plans, global_plans, tp_ranks)
-        self.global_plan = global_plans
-        return global_plans, metadata
+        tables = [plan.table for plan in all_plans]
+        digests = [plan.chunk_digests for plan in all_plans] if self.check_replicas else None
+        tp_ranks = [plan.tp_rank for plan in all_plans] if self.replica_locality else None
+        key = (tuple(table.digest for table in tables), None if tp_ranks is None else tuple(tp_ranks))
+        result = cached_plan(key) if self.cache_plans else None
+        self.plan_reused = result is not None
+        if result is None:
+            result = plan_globally(tables, chunk_digests=digests, tp_ranks=tp_ranks, mesh=self._placements.mesh)
+            if self.cache_plans:
+                remember_plan(key, result)
+        elif digests is not None:
+            check_replicas(result.structure, digests, self._placements.mesh)
+        self.last_global_plan = result
+        self.global_plan = [ShardGlobalPlan(items=[], assignment=a) for a in result.assignments]
+        self.metadata = dataclasses.replace(result.metadata)  # the writer fills in storage data
+        return self.global_plan, self.metadata
 
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        return balanced_dedup(refine_overlapping_chunks(all_plans))
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = SavePlan(assigned_items(self._local_items, new_plan.assignment), storage_data=new_plan.storage_data)
+        return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         original = canonical_index(write_item.index)

@@ -3,7 +3,8 @@
 DCP keeps one writer per (key, offsets) and never looks at the data, so ranks that declare
 the same chunk with different contents (EP experts under an FSDP-only DTensor, per-rank
 state under a shared key) produce a checkpoint that silently loads the wrong shard. Each
-rank attaches a small digest per chunk to its local plan; the coordinator compares them.
+rank attaches a small digest per chunk to its local plan (a row per plan row); the
+coordinator compares them (``global_plan.check_replicas``).
 The digest hashes up to ``SAMPLES`` evenly spaced elements (all of a small chunk), so the
 cost per chunk is constant however large the tensor is.
 """
@@ -11,18 +12,19 @@ cost per chunk is constant however large the tensor is.
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 
-from dcp_ext.planning.local_plan import ChunkKey, plain, with_extras
 from dcp_ext.planning.placements import axis_name, describe_mesh
 
 SAMPLES = 1024
+
+ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
 
 
 class ReplicaMismatchError(ValueError):
@@ -42,41 +44,30 @@ def chunk_digest(tensor: torch.Tensor) -> bytes:
     return hashlib.blake2b(header + data, digest_size=16).digest()
 
 
-def with_digests(plan: SavePlan, lookup: Callable[[MetadataIndex], object]) -> SavePlan:
-    """``plan`` plus the digest of every tensor chunk it declares (``lookup`` finds the data)."""
-    digests: dict[ChunkKey, bytes] = {}
-    for item in plan.items:
+def chunk_digest_rows(items: list[WriteItem], lookup: Callable[[MetadataIndex], object]) -> np.ndarray:
+    """(len(items), 2) uint64: the digest of every tensor chunk in ``items`` (``lookup``
+    finds the data); zero rows where there is nothing comparable (non-tensor items)."""
+    out = np.zeros((len(items), 2), np.uint64)
+    for row, item in enumerate(items):
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             continue
-        chunk = item.tensor_data.chunk
         tensor = lookup(item.index)
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tuple(tensor.shape) != tuple(chunk.sizes):
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):
             continue  # nothing comparable at hand; the check stays silent for this chunk
-        digests[(item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))] = chunk_digest(tensor)
-    return with_extras(plan, chunk_digests=digests)
+        out[row] = np.frombuffer(chunk_digest(tensor), np.uint64)
+    return out
 
 
-def checked_plans(plans: list[SavePlan], mesh: DeviceMesh | None) -> list[SavePlan]:
-    """Raise ReplicaMismatchError on conflicting chunks; return the plans without digests."""
-    holders: dict[ChunkKey, dict[bytes, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for rank, plan in enumerate(plans):
-        for key, digest in getattr(plan, "chunk_digests", {}).items():
-            holders[key][digest].append(rank)
-    conflicts = [(key, list(by_digest.values())) for key, by_digest in holders.items() if len(by_digest) > 1]
-    if conflicts:
-        raise ReplicaMismatchError(_message(conflicts, mesh))
-    return [plain(plan) for plan in plans]
-
-
-def _message(conflicts: list[tuple[ChunkKey, list[list[int]]]], mesh: DeviceMesh | None) -> str:
+def mismatch_message(conflicts: list[tuple[ChunkKey, list[list[int]]]], total: int, mesh: DeviceMesh | None) -> str:
+    """``conflicts``: (fqn, offsets, sizes) and the groups of ranks that agree, per chunk."""
     lines = []
     for (fqn, offsets, sizes), groups in conflicts[:5]:
         versions = " vs ".join(f"ranks {ranks}{_coordinates(mesh, ranks)}" for ranks in groups)
         lines.append(f"  {fqn!r} chunk at offsets {list(offsets)} size {list(sizes)}: {versions}")
-    more = f"\n  ... and {len(conflicts) - 5} more" if len(conflicts) > 5 else ""
+    more = f"\n  ... and {total - 5} more" if total > 5 else ""
     where = f"checkpoint mesh {describe_mesh(mesh)}" if mesh is not None else "no checkpoint mesh given"
     return (
-        f"{len(conflicts)} chunk(s) are declared by several ranks with the same key and offsets but "
+        f"{total} chunk(s) are declared by several ranks with the same key and offsets but "
         f"different data; DCP would keep one copy and every rank would load it ({where}):\n"
         + "\n".join(lines)
         + more

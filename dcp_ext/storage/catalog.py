@@ -47,6 +47,8 @@ class Catalog:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        if self._chunks:  # handed over by the index decoder
+            return
         for fqn, md in self.metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 for chunk in md.chunks:
@@ -167,9 +169,12 @@ def read_catalog(location: Location) -> Catalog:
         if items is None:
             items = items_from_storage_data(metadata, source)
         copies = indexed.copies if indexed is not None else {}
-        check_metadata(metadata, items, source, copies)
+        from_index = indexed is not None and indexed.metadata is metadata
+        if not from_index:  # decode_index checked its own rows
+            check_metadata(metadata, items, source, copies)
         catalog = Catalog(
-            location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies
+            location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies,
+            _chunks=indexed.chunks if from_index else {},
         )
     except CheckpointError:
         raise

@@ -25,6 +25,7 @@ from dcp_ext.megatron.base import MegatronOptions, MegatronSource
 from dcp_ext.megatron.detect import open_source
 from dcp_ext.megatron.reading import read_source_items
 from dcp_ext.megatron.torch_dist import torch_dist_view
+from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, catalog_signature, read_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request, bytes_request, tensor_requests
@@ -36,13 +37,17 @@ GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: am
 
 @dataclasses.dataclass
 class ReadStats:
-    """Figures of the last load through one reader (reset when a load starts)."""
+    """Figures of the last load through one reader (reset when a load starts).
+
+    They feed the load's ``LoadReport``, which adds the per-phase seconds.
+    """
 
     bytes_read: int = 0
     files_opened: int = 0
     metadata_reads: int = 0
     items_read: int = 0
     seconds: float = 0.0
+    bytes_received: int = 0  # two-stage loads: from other ranks instead of storage
 
 
 def default_thread_count() -> int:
@@ -71,6 +76,8 @@ class ShardReader(StorageReader):
         group: the process group for ``two_stage`` (default: the whole job; pass the
             data-parallel group to mirror Megatron).
         exchange_budget_bytes: bytes of stored data in flight per two-stage batch.
+        on_report: called with this rank's ``LoadReport`` when its part of a load ends
+            (see ``dcp_ext.observe``); the latest is also kept as ``last_report``.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class ShardReader(StorageReader):
         two_stage: bool = False,
         group: dist.ProcessGroup | None = None,
         exchange_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        on_report: ReportCallback | None = None,
     ):
         super().__init__()
         self.storage_options = storage_options
@@ -100,6 +108,9 @@ class ShardReader(StorageReader):
         self.group = group
         self.exchange_budget_bytes = exchange_budget_bytes
         self.stats = ReadStats()
+        self.clock = PhaseClock(LOAD_PHASES)
+        self.on_report = on_report
+        self.last_report: LoadReport | None = None
         self.catalog: Catalog | None = None
         self.rank = 0
         self.is_coordinator = False
@@ -112,18 +123,23 @@ class ShardReader(StorageReader):
         self.source = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Every rank calls this first in a load, so the load's figures start here."""
         self.stats = ReadStats()
-        started = time.perf_counter()
+        self.clock = PhaseClock(LOAD_PHASES)
+        with self.clock.phase("metadata"):
+            metadata = self._open_metadata()
+        self.stats.seconds += self.clock.seconds["metadata"]
+        return metadata
+
+    def _open_metadata(self) -> Metadata:
         self.source = open_source(self.location, self.megatron, self.cache_metadata)
         if self.source is not None:
-            self.stats.seconds += time.perf_counter() - started
             return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=uuid.uuid4().hex))
         if self.cache_metadata:
             self.catalog, was_read = METADATA_CACHE.open(self.location)
         else:
             self.catalog, was_read = read_catalog(self.location), True
         self.stats.metadata_reads += int(was_read)
-        self.stats.seconds += time.perf_counter() - started
         self._check_committed(self.catalog)
         self.catalog = torch_dist_view(self.location, self.catalog, self.megatron)
         metadata = self.catalog.metadata
@@ -144,25 +160,34 @@ class ShardReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
+        self.clock.charge_rest("plan")
         if self.source is not None:
             bytes_read, files = read_source_items(self.source, plan.items, planner, self.thread_count)
             return self._finish_read(plan, bytes_read, files, started)
         requests: list[Request] = []
         commits: list[Callable[[], None]] = []
         if self.two_stage and dist.is_initialized():
-            exchange = TwoStageExchange(self.location, self.group, self.exchange_budget_bytes, self.thread_count)
-            try:
-                self._plan_requests(plan, planner, requests, commits)
-            except Exception as exc:  # every rank must join the exchange, which shares the failure
-                bytes_read, files = exchange.run([], planning_error=exc)
-            else:
-                bytes_read, files = exchange.run(requests)
+            bytes_read, files = self._read_two_stage(plan, planner, requests, commits)
         else:
             self._plan_requests(plan, planner, requests, commits)
             bytes_read, files = self._execute(requests)
         for commit_item in commits:
             commit_item()
         return self._finish_read(plan, bytes_read, files, started)
+
+    def _read_two_stage(
+        self, plan: LoadPlan, planner: LoadPlanner, requests: list[Request], commits: list[Callable[[], None]]
+    ) -> tuple[int, set[str]]:
+        """Plan and fill the requests through the group's exchange; returns (bytes read, files)."""
+        exchange = TwoStageExchange(self.location, self.group, self.exchange_budget_bytes, self.thread_count)
+        try:
+            self._plan_requests(plan, planner, requests, commits)
+        except Exception as exc:  # every rank must join the exchange, which shares the failure
+            return exchange.run([], planning_error=exc)  # raises it on every rank
+        bytes_read, files = exchange.run(requests)
+        self.clock.add("exchange", exchange.seconds)
+        self.stats.bytes_received += exchange.bytes_received
+        return bytes_read, files
 
     def _plan_requests(
         self, plan: LoadPlan, planner: LoadPlanner, requests: list[Request], commits: list[Callable[[], None]]
@@ -179,9 +204,26 @@ class ShardReader(StorageReader):
         self.stats.files_opened += len(files)
         self.stats.items_read += len(plan.items)
         self.stats.seconds += time.perf_counter() - started
+        self.clock.charge_rest("read")
+        self._publish()
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _publish(self) -> None:
+        """Report this rank's load, from the stats and the phase clock."""
+        self.last_report = LoadReport(
+            checkpoint=self.location.url,
+            rank=self.rank,
+            is_coordinator=self.is_coordinator,
+            seconds=self.clock.totals(),
+            bytes_read=self.stats.bytes_read,
+            bytes_received=self.stats.bytes_received,
+            files_opened=self.stats.files_opened,
+            items_read=self.stats.items_read,
+            metadata_reads=self.stats.metadata_reads,
+        )
+        publish(self.last_report, self.on_report)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -17,11 +17,13 @@ from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CheckpointExistsError
 from dcp_ext.formats.index import StoredItem, encode_index
+from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.planning.locality import canonical_index
 from dcp_ext.storage.catalog import METADATA_NAME
 from dcp_ext.storage.commit import commit, crash_point, remove_unreferenced
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.records import RecordSink, write_bytes, write_tensor
+from dcp_ext.storage.staging import AsyncStagingMixin
 
 DCP_METADATA_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 
@@ -56,7 +58,7 @@ def split_by_bytes(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     return [b for b in buckets if b]
 
 
-class ShardWriter(StorageWriter):
+class ShardWriter(AsyncStagingMixin, StorageWriter):
     """Writes stock-compatible DCP checkpoints, checksummed and committed atomically.
 
     Args:
@@ -66,6 +68,10 @@ class ShardWriter(StorageWriter):
         checksums: record a CRC32C per item in the index.
         overwrite: if False, refuse a directory that already holds a checkpoint.
         storage_options: passed to fsspec for URLs.
+        on_report: called with this rank's ``SaveReport`` when its part of a save ends
+            (see ``dcp_ext.observe``); the latest is also kept as ``last_report``.
+        reuse_staging: under ``dcp.async_save``, stage every save into the same CPU buffers
+            (see ``dcp_ext.storage.staging``); False allocates new ones per save.
     """
 
     def __init__(
@@ -77,9 +83,15 @@ class ShardWriter(StorageWriter):
         checksums: bool = True,
         overwrite: bool = True,
         storage_options: dict[str, Any] | None = None,
+        on_report: ReportCallback | None = None,
+        reuse_staging: bool = True,
     ):
-        super().__init__()
+        super().__init__(reuse_staging=reuse_staging)
         self.storage_options = storage_options
+        self.on_report = on_report
+        self.last_report: SaveReport | None = None
+        self.clock = PhaseClock(SAVE_PHASES)
+        self.written: list[WriteResult] = []  # this rank's results of the running save
         self.location = Location(path, storage_options)
         self.thread_count = thread_count or default_thread_count()
         self.sync_files = sync_files
@@ -96,6 +108,8 @@ class ShardWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.clock = PhaseClock(SAVE_PHASES)  # a save starts here on every rank
+        self.written = []
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         if not kwargs.get("use_collectives", True):
@@ -120,6 +134,31 @@ class ShardWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=FilePrefix(f"__{rank}_{token}_")) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.clock.charge_rest("plan")
+        with self.clock.phase("write"):
+            self.written = self._write_files(plan, planner)
+        if not self.is_coordinator:  # its part ends here; the coordinator's after the commit
+            self._publish(metadata_bytes=0)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(self.written)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        crash_point("after-data")
+        with self.clock.phase("metadata"):
+            metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
+        with self.clock.phase("commit"):
+            commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files)
+            remove_unreferenced(self.location, referenced)
+        self._publish(metadata_bytes=len(metadata_bytes) + len(index_bytes))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- helpers -------------------------------------------------------------------------
+    def _write_files(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Write this rank's items into up to ``thread_count`` files in parallel."""
         prefix: FilePrefix = plan.storage_data
         crash_point("before-data")
         buckets = split_by_bytes(plan.items, self.thread_count)
@@ -132,12 +171,10 @@ class ShardWriter(StorageWriter):
                 ]
                 for future in futures:
                     results.extend(future.result())
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        crash_point("after-data")
+    def _encode(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, set[str]]:
+        """The ``.metadata`` and index bytes of the save, and every data file they reference."""
         stored: dict[MetadataIndex, StoredItem] = {}
         copies: dict[MetadataIndex, list[StoredItem]] = {}  # TP-replica copies: index only
         for rank_results in results:
@@ -153,16 +190,24 @@ class ShardWriter(StorageWriter):
         metadata_bytes = pickle.dumps(metadata)
         crc = crc32c.crc32c(metadata_bytes)
         index_bytes = encode_index(metadata, stored, metadata_bytes, crc, copies)
-        commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files)
         referenced = {item.relative_path for item in stored.values()}
         referenced.update(item.relative_path for items in copies.values() for item in items)
-        remove_unreferenced(self.location, referenced)
+        return metadata_bytes, index_bytes, referenced
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+    def _publish(self, metadata_bytes: int) -> None:
+        """Report this rank's save: its data files are written (and, on the coordinator, committed)."""
+        self.last_report = SaveReport(
+            checkpoint=self.location.url,
+            rank=self.rank,
+            is_coordinator=self.is_coordinator,
+            seconds=self.clock.totals(),
+            bytes_written=sum(result.size_in_bytes for result in self.written),  # records fill the files
+            files_written=len({result.storage_data.relative_path for result in self.written}),
+            items_written=len(self.written),
+            metadata_bytes=metadata_bytes,
+        )
+        publish(self.last_report, self.on_report)
 
-    # -- helpers -------------------------------------------------------------------------
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results = []
         with self.location.create(name, self.sync_files) as out:
