@@ -110,20 +110,26 @@ def model_specs(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
     return specs + [("norm.weight", (H,), "rep"), ("output.weight", (V, H), "col")]
 
 
+def split(extent: int, parts: int, part: int) -> tuple[int, int]:
+    """(offset, size) of ``part`` when ``extent`` is split like torch's Shard: ceil-sized
+    pieces, the last ones smaller or empty."""
+    step = -(-extent // parts)
+    offset = min(part * step, extent)
+    return offset, min(step, extent - offset)
+
+
 def chunk(shape: tuple[int, ...], layout: str, s: int, t: int, shards: int) -> tuple[list[int], list[int]]:
     off, size = [0] * len(shape), list(shape)
     if layout == "col":
-        size[0] = shape[0] // (TP * shards)
-        off[0] = (t * shards + s) * size[0]
+        off[0], size[0] = split(shape[0], TP * shards, t * shards + s)
     elif layout == "row":
-        size[0], size[1] = shape[0] // shards, shape[1] // TP
-        off[0], off[1] = s * size[0], t * size[1]
+        off[0], size[0] = split(shape[0], shards, s)
+        off[1], size[1] = split(shape[1], TP, t)
     elif layout == "rep":
-        size[0] = shape[0] // shards
-        off[0] = s * size[0]
+        off[0], size[0] = split(shape[0], shards, s)
     else:  # expert: EP over the tp dim, FSDP over dim 1
-        size[0], size[1] = shape[0] // TP, shape[1] // shards
-        off[0], off[1] = t * size[0], s * size[1]
+        off[0], size[0] = split(shape[0], TP, t)
+        off[1], size[1] = split(shape[1], shards, s)
     return off, size
 
 

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -255,15 +254,16 @@ class _Columns:
     def read(cls, table: pa.Table) -> _Columns:
         col = {name: table.column(name).combine_chunks() for name in _SCHEMA.names}
         off, size = col["offsets"], col["sizes"]
+        off_ends, size_ends = _numpy(off.offsets), _numpy(size.offsets)
         return cls(
             fqn=_numpy(col["fqn"].indices),
             fqn_names=col["fqn"].dictionary.to_pylist(),
-            box_null=_numpy(pa.compute.or_(off.is_null(), size.is_null())),
-            off_start=_numpy(off.offsets)[:-1],
-            off_len=_numpy(pa.compute.fill_null(off.value_lengths(), 0)),
+            box_null=~(_valid(off) & _valid(size)),
+            off_start=off_ends[:-1],
+            off_len=np.diff(off_ends),
             off_values=_numpy(off.values),
-            size_start=_numpy(size.offsets)[:-1],
-            size_len=_numpy(pa.compute.fill_null(size.value_lengths(), 0)),
+            size_start=size_ends[:-1],
+            size_len=np.diff(size_ends),
             size_values=_numpy(size.values),
             file=_numpy(col["file"].indices),
             file_names=col["file"].dictionary.to_pylist(),
@@ -271,7 +271,7 @@ class _Columns:
             length=_numpy(col["length"]),
             payload=_numpy(col["payload_offset"]),
             checksum=col["checksum"].to_pylist(),
-            copy=_numpy(pa.compute.fill_null(col["copy"], False)),
+            copy=_numpy(col["copy"]).astype(bool) & _valid(col["copy"]),
             nulls={
                 **{name: col[name].null_count for name in ("fqn", "file", "offset", "length", "payload_offset")},
                 "box values": off.values.null_count + size.values.null_count,
@@ -281,6 +281,16 @@ class _Columns:
 
 def _numpy(array: pa.Array) -> np.ndarray:
     return array.to_numpy(zero_copy_only=False)
+
+
+def _valid(array: pa.Array) -> np.ndarray:
+    """Per row, not null: read from the validity bitmap (no Arrow compute kernels, whose
+    thread pool can abort the interpreter at exit, see ``decode_index``)."""
+    bitmap = array.buffers()[0]
+    if bitmap is None or array.null_count == 0:
+        return np.ones(len(array), bool)
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
+    return bits[array.offset : array.offset + len(array)].astype(bool)
 
 
 def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> IndexedCheckpoint:
