@@ -1,6 +1,6 @@
 """Save planning and metadata at 64 .. 16,384 ranks, simulated without starting them.
 
-    python benchmarks/plan_scale.py                  # N = 64 512 4096 16384, ~5 min
+    python benchmarks/plan_scale.py                  # N = 64 512 4096 16384, ~10 min
     python benchmarks/plan_scale.py --ranks 64 512   # quicker
 
 The model: a 64-layer MoE transformer (every other layer 64 experts plus a shared expert,
@@ -382,7 +382,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 4096, 16384])
-    parser.add_argument("--fsdp-ranks", type=int, nargs="*", default=[64, 512])
+    parser.add_argument("--fsdp-ranks", type=int, nargs="*", default=[1024, 2048])
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--stock-max-items", type=int, default=2_500_000)
     parser.add_argument("--metadata-max-ranks", type=int, default=16384, help="skip the metadata write/load above this")

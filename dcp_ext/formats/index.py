@@ -312,8 +312,8 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
 def _check_locations(names: list[str], cols: _Columns, source: str) -> None:
     from dcp_ext.storage.location import check_relative_name  # storage builds on formats
 
-    for code in np.unique(cols.file).tolist():
-        row = int(np.argmax(cols.file == code))
+    codes, first_rows = np.unique(cols.file, return_index=True)
+    for code, row in zip(codes.tolist(), first_rows.tolist()):
         check_relative_name(source, cols.file_names[code], names[row])
     if cols.nulls["offset"] or cols.nulls["length"] or cols.nulls["payload_offset"]:
         raise CorruptCheckpointError(f"{source}: an index item has missing location fields")
