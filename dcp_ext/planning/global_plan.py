@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -37,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dcp_ext.formats.index import torch_sizes
 from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
-from dcp_ext.planning.plan_table import BYTE_IO, PlanTable, TensorFacts, items_from_table, table_from_items
+from dcp_ext.planning.plan_table import PlanTable, TensorFacts, items_from_table, table_from_items
 from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
 
 NO_TP = -1
@@ -356,7 +355,7 @@ def _bounds_and_volume(name: str, off: np.ndarray, size: np.ndarray, shape: tupl
 
 def check_replicas(structure: _Structure, digests: Sequence[np.ndarray | None], mesh: DeviceMesh | None) -> None:
     """Raise ReplicaMismatchError where holders of one chunk report different digests."""
-    groups, rows, boxes = structure.groups, structure.rows, structure.boxes
+    groups, boxes = structure.groups, structure.boxes
     empty = np.zeros((0, 2), np.uint64)
     per_rank = [empty if d is None else d for d in digests]
     bad_rows: list[np.ndarray] = []
@@ -501,8 +500,11 @@ def _replica_copies(
             out_box.append(need)
             out_rank.append(picks)
             out_tp.append(np.full(len(need), coord, np.int64))
-    join = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
-    return join(out_box), join(out_rank), join(out_tp)
+    return _joined(out_box), _joined(out_rank), _joined(out_tp)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def _row_of(structure: _Structure, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
