@@ -336,13 +336,13 @@ def _check_boxes(
         raise CorruptCheckpointError(f"{source}: an index row has a missing chunk offset or size")
     ndim = keys.ndim[key]
     wrong = tensor & ((cols.off_len != ndim) | (cols.size_len != ndim))
+    if np.any(wrong):
+        row = int(np.argmax(wrong))
+        raise _chunk_fault(source, names[row], cols, row, keys.state[names[row]].size)
     rows = np.flatnonzero(tensor)
     elems = ndim[rows]
     within = np.arange(int(elems.sum())) - np.repeat(np.cumsum(elems) - elems, elems)
-    off = cols.off_values[np.repeat(cols.off_start[rows], elems) + within] if not wrong.any() else None
-    if off is None:
-        row = int(np.argmax(wrong))
-        raise _chunk_fault(source, names[row], cols, row, keys.state[names[row]].size)
+    off = cols.off_values[np.repeat(cols.off_start[rows], elems) + within]
     size = cols.size_values[np.repeat(cols.size_start[rows], elems) + within]
     extent = keys.shapes[np.repeat(keys.shape_start[key[rows]], elems) + within]
     outside = (off < 0) | (size < 0) | (off.astype(np.float64) + size > extent)

@@ -159,7 +159,7 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
     groups, rows, boxes = structure.groups, structure.rows, structure.boxes
     ranks = len(groups.of_rank)
     with clock.phase("balance"):
-        classes = _classes(groups, boxes)
+        classes = _classes(groups, rows, boxes)
         load = np.zeros(ranks, np.int64)
         writer = _balance(classes, boxes.weight, load)
         writer_row = _row_of(structure, np.arange(len(boxes.fqn)), writer)
@@ -416,11 +416,11 @@ class _Classes:
     members: list[np.ndarray]  # ranks of each class, ascending
 
 
-def _classes(groups: _Groups, boxes: _Boxes) -> _Classes:
+def _classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
     holders = boxes.ends - boxes.starts
     of_box = np.empty(len(holders), np.int64)
     single = holders == 1
-    groups_of_sorted = _group_of_sorted(groups, boxes)
+    groups_of_sorted = rows.gid[boxes.order]
     of_box[single] = groups_of_sorted[boxes.starts[single]]
     members = list(groups.members)
     shared: dict[tuple[int, ...], int] = {}
@@ -432,11 +432,6 @@ def _classes(groups: _Groups, boxes: _Boxes) -> _Classes:
             members.append(np.sort(np.concatenate([groups.members[g] for g in holding])))
         of_box[box] = cls
     return _Classes(of_box, members)
-
-
-def _group_of_sorted(groups: _Groups, boxes: _Boxes) -> np.ndarray:
-    tables_rows = np.array([len(t) for t in groups.tables], np.int64)
-    return np.repeat(np.arange(len(tables_rows)), tables_rows)[boxes.order]
 
 
 def _balance(classes: _Classes, weight: np.ndarray, load: np.ndarray) -> np.ndarray:
