@@ -87,3 +87,44 @@ def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
     error = next(iter(info.value.failures.values()))[0]
     assert isinstance(error, CheckpointExistsError) and str(tmp_path) in str(error)
     assert_state_equal(load(state, tmp_path)[0], state)  # the existing checkpoint is untouched
+
+
+def test_index_loaded_metadata_equals_the_pickle(tmp_path):
+    """The index builds storage_data on first use; read, iterated or pickled it is the
+    plain dict stock DCP unpickles, and the tensor entries match chunk for chunk."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_ext.formats.index import StorageDataView
+
+    save(sample_state(), tmp_path)
+    ours = ShardReader(tmp_path, cache_metadata=False).read_metadata()
+    stock = dcp.FileSystemReader(tmp_path).read_metadata()
+    assert isinstance(ours.storage_data, StorageDataView)  # loaded from the index, not the pickle
+    assert len(ours.storage_data) == len(stock.storage_data)
+    assert all(index in ours.storage_data for index in stock.storage_data)
+    assert dict(ours.storage_data.items()) == stock.storage_data
+    copied = pickle.loads(pickle.dumps(ours))
+    assert type(copied.storage_data) is dict and copied.storage_data == stock.storage_data
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+
+
+def test_gc_pause_nests_and_restores_the_collector():
+    import gc
+
+    from dcp_ext.formats.gc_pause import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()

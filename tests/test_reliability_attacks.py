@@ -227,7 +227,16 @@ def set_column(name: str, value, arrow_type=None):
     return mutate
 
 
+def duplicate_row(rows, schema):
+    """A second canonical row for 'w' at the same offset."""
+    row = rows["fqn"].index("w")
+    for values in rows.values():
+        values.append(values[row])
+    return pa.table(rows, schema=schema)
+
+
 INDEX_ATTACKS = {
+    "duplicate row": (duplicate_row, r"'w' has two index rows at offset \[0, 0\]"),
     "negative offset": (set_column("offset", -4096), r"'w' has an invalid byte range"),
     "negative length": (set_column("length", -1), r"'w' has an invalid byte range"),
     "negative chunk offset": (set_column("offsets", [-1, 0]), r"'w'.*does not fit its global shape"),

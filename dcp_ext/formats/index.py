@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
+from dcp_ext.formats.gc_pause import gc_paused
 
 INDEX_NAME = ".dcp_ext_index.parquet"
 INDEX_FORMAT = "dcp_ext-index/1"
@@ -77,7 +78,6 @@ class IndexedCheckpoint:
     metadata_crc32c: int
     metadata_size: int
     copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)
-    chunks: dict[MetadataIndex, tuple[TensorStorageMetadata, ChunkStorageMetadata]] = field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -115,38 +115,16 @@ def encode_index(
     """Serialize the index for ``metadata`` whose pickle is ``metadata_bytes`` (CRC32C ``crc``).
 
     ``copies`` are extra stored copies of chunks (TP-replica locality), recorded as rows
-    with ``copy`` set; ``.metadata`` only knows the canonical ones in ``items``.
+    with ``copy`` set after the canonical rows; ``.metadata`` only knows those in ``items``.
+    Columns are built per key and per column, not per row (a million-chunk save).
     """
-    columns: dict[str, list[Any]] = {name: [] for name in _SCHEMA.names}
-    tensors: dict[str, list[Any]] = {}
-    order: list[str] = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        order.append(fqn)
-        if isinstance(md, TensorStorageMetadata):
-            props = md.properties
-            tensors[fqn] = [dtype_name(props.dtype), list(md.size), props.requires_grad, props.pin_memory]
-            chunks = [(MetadataIndex(fqn, c.offsets), list(c.offsets), list(c.sizes)) for c in md.chunks]
-            dtype = dtype_name(props.dtype)
-        else:
-            chunks, dtype = [(MetadataIndex(fqn), None, None)], None
-        for index, offsets, sizes in chunks:
-            for item, is_copy in [(items[index], False), *(((c, True) for c in (copies or {}).get(index, ())))]:
-                columns["fqn"].append(fqn)
-                columns["offsets"].append(offsets)
-                columns["sizes"].append(sizes)
-                columns["dtype"].append(dtype)
-                columns["file"].append(item.relative_path)
-                columns["offset"].append(item.offset)
-                columns["length"].append(item.length)
-                columns["payload_offset"].append(item.payload_offset)
-                columns["checksum"].append(item.checksum)
-                columns["copy"].append(is_copy)
+    rows = _Rows.collect(metadata, items, copies or {})
     storage_meta = metadata.storage_meta
     header = {
         "format": INDEX_FORMAT,
         "version": metadata.version,
-        "order": order,
-        "tensors": tensors,
+        "order": rows.names,
+        "tensors": rows.tensors,
         "planner_data": _planner_data_to_json(metadata.planner_data),
         "storage_meta": None
         if storage_meta is None
@@ -158,10 +136,101 @@ def encode_index(
         "metadata_crc32c": crc,
         "metadata_size": len(metadata_bytes),
     }
-    table = pa.table(columns, schema=_SCHEMA.with_metadata({_META_KEY: json.dumps(header).encode()}))
+    schema = _SCHEMA.with_metadata({_META_KEY: json.dumps(header).encode()})
+    table = pa.Table.from_arrays(rows.arrays(), schema=schema)
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
     return sink.getvalue()
+
+
+@dataclass
+class _Rows:
+    """The index rows of a save, column by column: canonical chunks in metadata order,
+    then the TP-replica copies."""
+
+    names: list[str]
+    tensors: dict[str, list[Any]]  # fqn -> [dtype, shape, requires_grad, pin_memory]
+    key: np.ndarray  # per row: position in names
+    ndim: np.ndarray  # per row: box length (-1: bytes row, no box)
+    offsets: np.ndarray  # boxes back to back
+    sizes: np.ndarray
+    stored: list[StoredItem]
+    copy: np.ndarray
+
+    @classmethod
+    def collect(
+        cls, metadata: Metadata, items: dict[MetadataIndex, StoredItem], copies: dict[MetadataIndex, list[StoredItem]]
+    ) -> _Rows:
+        names = list(metadata.state_dict_metadata)
+        tensors: dict[str, list[Any]] = {}
+        indices: list[MetadataIndex] = []
+        key_parts, ndim_parts, off_parts, size_parts = [], [], [], []
+        for k, (fqn, md) in enumerate(metadata.state_dict_metadata.items()):
+            if isinstance(md, TensorStorageMetadata):
+                props = md.properties
+                tensors[fqn] = [dtype_name(props.dtype), list(md.size), props.requires_grad, props.pin_memory]
+                n, nd = len(md.chunks), len(md.size)
+                indices.extend(_index_of(fqn, chunk.offsets) for chunk in md.chunks)
+                off_parts.append(np.array([c.offsets for c in md.chunks], np.int64).reshape(n * nd))
+                size_parts.append(np.array([c.sizes for c in md.chunks], np.int64).reshape(n * nd))
+            else:
+                n, nd = 1, -1
+                indices.append(MetadataIndex(fqn))
+            key_parts.append(np.full(n, k, np.int32))
+            ndim_parts.append(np.full(n, nd, np.int64))
+        stored = [items[index] for index in indices]
+        key, ndim = _concat(key_parts, np.int32), _concat(ndim_parts, np.int64)
+        offsets, sizes = _concat(off_parts, np.int64), _concat(size_parts, np.int64)
+        copy = np.zeros(len(stored), bool)
+        if copies:
+            row_of = dict(zip(indices, range(len(indices))))
+            copied = [row_of[index] for index, extra in copies.items() for _ in extra]
+            stored.extend(item for extra in copies.values() for item in extra)
+            rows = np.array(copied, np.int64)
+            starts = np.cumsum(np.maximum(ndim, 0)) - np.maximum(ndim, 0)
+            lengths = np.maximum(ndim[rows], 0)
+            offsets = np.concatenate([offsets, ragged_take(offsets, starts[rows], lengths)])
+            sizes = np.concatenate([sizes, ragged_take(sizes, starts[rows], lengths)])
+            key, ndim = np.concatenate([key, key[rows]]), np.concatenate([ndim, ndim[rows]])
+            copy = np.concatenate([copy, np.ones(len(rows), bool)])
+        return cls(names, tensors, key, ndim, offsets, sizes, stored, copy)
+
+    def arrays(self) -> list[pa.Array]:
+        bytes_row = self.ndim < 0
+        box_ends = np.concatenate([[0], np.cumsum(np.maximum(self.ndim, 0))]).astype(np.int32)
+        dtypes = sorted({facts[0] for facts in self.tensors.values()})
+        dtype_of_key = np.array([dtypes.index(self.tensors[n][0]) if n in self.tensors else 0 for n in self.names] or [0], np.int8)
+        files, offset, length, payload, checksum = zip(*self.stored) if self.stored else ((),) * 5
+        file_codes: dict[str, int] = {}
+        file_column = np.array([file_codes.setdefault(f, len(file_codes)) for f in files], np.int32)
+        return [
+            pa.DictionaryArray.from_arrays(pa.array(self.key, pa.int32()), pa.array(self.names, pa.string())),
+            pa.ListArray.from_arrays(pa.array(box_ends), pa.array(self.offsets, pa.int64()), mask=pa.array(bytes_row)),
+            pa.ListArray.from_arrays(pa.array(box_ends), pa.array(self.sizes, pa.int64()), mask=pa.array(bytes_row)),
+            pa.DictionaryArray.from_arrays(
+                pa.array(dtype_of_key[self.key], pa.int8(), mask=bytes_row), pa.array(dtypes, pa.string())
+            ),
+            pa.DictionaryArray.from_arrays(pa.array(file_column, pa.int32()), pa.array(list(file_codes), pa.string())),
+            pa.array(offset, pa.int64()),
+            pa.array(length, pa.int64()),
+            pa.array(payload, pa.int64()),
+            pa.array(checksum, pa.uint32()),
+            pa.array(self.copy, pa.bool_()),
+        ]
+
+
+def _index_of(fqn: str, offsets: Any) -> MetadataIndex:
+    return _metadata_index(fqn, offsets) if type(offsets) is torch.Size else MetadataIndex(fqn, offsets)
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def ragged_take(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``values[starts[i] : starts[i] + lengths[i]]`` for every i, back to back."""
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return values[np.repeat(starts, lengths) + within]
 
 
 def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
@@ -341,10 +410,9 @@ def _check_boxes(
         raise _chunk_fault(source, names[row], cols, row, keys.state[names[row]].size)
     rows = np.flatnonzero(tensor)
     elems = ndim[rows]
-    within = np.arange(int(elems.sum())) - np.repeat(np.cumsum(elems) - elems, elems)
-    off = cols.off_values[np.repeat(cols.off_start[rows], elems) + within]
-    size = cols.size_values[np.repeat(cols.size_start[rows], elems) + within]
-    extent = keys.shapes[np.repeat(keys.shape_start[key[rows]], elems) + within]
+    off = ragged_take(cols.off_values, cols.off_start[rows], elems)
+    size = ragged_take(cols.size_values, cols.size_start[rows], elems)
+    extent = ragged_take(keys.shapes, keys.shape_start[key[rows]], elems)
     outside = (off < 0) | (size < 0) | (off.astype(np.float64) + size > extent)
     if np.any(outside):
         row = int(rows[np.repeat(np.arange(len(rows)), elems)[np.argmax(outside)]])
@@ -381,36 +449,20 @@ def _objects(
     header: dict[str, Any], keys: _Keys, cols: _Columns, names: list[str], key: np.ndarray, tensor: np.ndarray,
     off: np.ndarray, size: np.ndarray, source: str,
 ) -> IndexedCheckpoint:
-    """DCP objects for validated columns, built with ``map`` (most of the load's time)."""
-    offsets: list[torch.Size | None] = [None] * len(names)
-    chunks: list[ChunkStorageMetadata | None] = [None] * len(names)
-    rows = np.flatnonzero(tensor)
-    ndim = keys.ndim[key[rows]]
-    starts = np.cumsum(ndim) - ndim
-    for d in np.unique(ndim).tolist():  # rows of one rank reshape to a matrix
-        picked = np.flatnonzero(ndim == d)
-        at = (starts[picked][:, None] + np.arange(d)).reshape(-1)
-        where = rows[picked].tolist()
-        made = list(torch_sizes(off[at].reshape(len(picked), d)))
-        made_sizes = torch_sizes(size[at].reshape(len(picked), d))
-        for row, o, chunk in zip(where, made, map(ChunkStorageMetadata, made, made_sizes)):
-            offsets[row], chunks[row] = o, chunk
-    indices = list(map(_metadata_index, names, offsets))
-    files = [cols.file_names[c] for c in cols.file.tolist()]
-    offset, length = cols.offset.tolist(), cols.length.tolist()
-    stored = list(map(StoredItem, files, offset, length, cols.payload.tolist(), cols.checksum))
-    items: dict[MetadataIndex, StoredItem] = {}
-    copies: dict[MetadataIndex, list[StoredItem]] = {}
-    chunk_of: dict[MetadataIndex, tuple[TensorStorageMetadata, ChunkStorageMetadata]] = {}
-    for index, item, chunk, is_copy in zip(indices, stored, chunks, cols.copy.tolist()):
-        if is_copy:
-            copies.setdefault(index, []).append(item)
-            continue
-        items[index] = item
-        if chunk is not None:
-            md = keys.state[index.fqn]
-            md.chunks.append(chunk)
-            chunk_of[index] = (md, chunk)
+    """DCP objects for validated columns, built in bulk (most of the load's time)."""
+    with gc_paused():
+        offsets, chunks = _chunk_objects(keys, key, tensor, off, size)
+        indices = list(map(_metadata_index, names, offsets))
+        files = [cols.file_names[c] for c in cols.file.tolist()]
+        stored = list(map(StoredItem, files, cols.offset.tolist(), cols.length.tolist(), cols.payload.tolist(), cols.checksum))
+        canonical = np.flatnonzero(~cols.copy).tolist()
+        items = dict(zip([indices[row] for row in canonical], [stored[row] for row in canonical]))
+        if len(items) != len(canonical):
+            raise _duplicate_rows(indices, canonical, source)
+        copies: dict[MetadataIndex, list[StoredItem]] = {}
+        for row in np.flatnonzero(cols.copy).tolist():
+            copies.setdefault(indices[row], []).append(stored[row])
+        _fill_chunk_lists(keys, key, np.flatnonzero(tensor & ~cols.copy), chunks)
     missing = [fqn for fqn, md in keys.state.items() if isinstance(md, BytesStorageMetadata) and MetadataIndex(fqn) not in items]
     if missing:
         raise CorruptCheckpointError(f"{source}: bytes item {missing[0]!r} has no stored location")
@@ -424,11 +476,83 @@ def _objects(
         metadata = Metadata(
             state_dict_metadata=keys.state,
             planner_data={k: tuple(v) for k, v in planner_data.items()},
-            storage_data={index: _StorageInfo(item.relative_path, item.offset, item.length) for index, item in items.items()},
+            storage_data=StorageDataView(items),
             storage_meta=None if meta is None else StorageMeta(meta["checkpoint_id"], meta["save_id"], None, list(meta["modules"])),
             version=header["version"],
         )
-    return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]), copies, chunk_of)
+    return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]), copies)
+
+
+def _chunk_objects(
+    keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, size: np.ndarray
+) -> tuple[list[torch.Size | None], list[ChunkStorageMetadata | None]]:
+    """Per row, the chunk offsets as torch.Size and the ChunkStorageMetadata (None for
+    bytes rows); ``off``/``size`` hold the tensor rows' values back to back."""
+    offsets: list[torch.Size | None] = [None] * len(key)
+    chunks: list[ChunkStorageMetadata | None] = [None] * len(key)
+    rows = np.flatnonzero(tensor)
+    ndim = keys.ndim[key[rows]]
+    starts = np.cumsum(ndim) - ndim
+    for d in np.unique(ndim).tolist():  # rows of one rank reshape to a matrix
+        picked = np.flatnonzero(ndim == d)
+        at = (starts[picked][:, None] + np.arange(d)).reshape(-1)
+        made = list(torch_sizes(off[at].reshape(len(picked), d)))
+        made_sizes = torch_sizes(size[at].reshape(len(picked), d))
+        for row, o, chunk in zip(rows[picked].tolist(), made, map(ChunkStorageMetadata, made, made_sizes)):
+            offsets[row], chunks[row] = o, chunk
+    return offsets, chunks
+
+
+def _fill_chunk_lists(keys: _Keys, key: np.ndarray, rows: np.ndarray, chunks: list[ChunkStorageMetadata | None]) -> None:
+    """Give each tensor key its canonical chunks, in index row order."""
+    order = rows[np.argsort(key[rows], kind="stable")]
+    in_order = [chunks[row] for row in order.tolist()]
+    counts = np.bincount(key[order], minlength=len(keys.names))
+    ends = np.cumsum(counts)
+    for k in np.flatnonzero(counts).tolist():
+        keys.state[keys.names[k]].chunks = in_order[int(ends[k] - counts[k]) : int(ends[k])]
+
+
+def _duplicate_rows(indices: list[MetadataIndex], rows: list[int], source: str) -> CorruptCheckpointError:
+    seen: set[MetadataIndex] = set()
+    for row in rows:
+        if indices[row] in seen:
+            index = indices[row]
+            where = "" if index.offset is None else f" at offset {list(index.offset)}"
+            return CorruptCheckpointError(f"{source}: key {index.fqn!r} has two index rows{where}")
+        seen.add(indices[row])
+    raise AssertionError("no duplicate row")
+
+
+class StorageDataView(Mapping):
+    """``Metadata.storage_data`` of an index load: DCP's {MetadataIndex: _StorageInfo},
+    built on first use. Our reader reads ``Catalog.items`` and DCP's load path never
+    looks at storage_data, so a load need not build a million objects nobody reads;
+    whoever does look (or pickles the Metadata) gets the plain dict a pickle would hold."""
+
+    def __init__(self, items: dict[MetadataIndex, StoredItem]) -> None:
+        self._items = items
+        self._built: dict[MetadataIndex, _StorageInfo] | None = None
+
+    def _data(self) -> dict[MetadataIndex, _StorageInfo]:
+        if self._built is None:
+            self._built = {index: item.storage_info() for index, item in self._items.items()}
+        return self._built
+
+    def __getitem__(self, index: MetadataIndex) -> _StorageInfo:
+        return self._data()[index]
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._items
+
+    def __reduce__(self) -> tuple[type, tuple[dict[MetadataIndex, _StorageInfo]]]:
+        return dict, (self._data(),)
 
 
 def _metadata_index(fqn: str, offset: torch.Size | None) -> MetadataIndex:

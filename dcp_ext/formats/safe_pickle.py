@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.formats.gc_pause import gc_paused
 
 _METADATA_CLASSES = (
     "Metadata",
@@ -70,7 +71,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata_pickle(data: bytes, source: str) -> dcp_metadata.Metadata:
     """Decode ``.metadata`` bytes read from ``source`` (named in every error)."""
     try:
-        result = _MetadataUnpickler(io.BytesIO(data)).load()
+        with gc_paused():
+            result = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{source}: {exc}") from None
     except RecursionError:

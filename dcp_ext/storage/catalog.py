@@ -42,17 +42,9 @@ class Catalog:
     committed: bool  # False: our index vouches for .metadata but no commit marker does
     signature: tuple[Any, ...]  # of .metadata, index and marker when read (see catalog_signature)
     copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)  # TP-replica copies
-    _chunks: dict[MetadataIndex, tuple[TensorStorageMetadata, ChunkStorageMetadata]] = field(default_factory=dict)
+    _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        if self._chunks:  # handed over by the index decoder
-            return
-        for fqn, md in self.metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    self._chunks[MetadataIndex(fqn, chunk.offsets)] = (md, chunk)
 
     def item(self, index: MetadataIndex) -> StoredItem:
         try:
@@ -61,10 +53,18 @@ class Catalog:
             raise CheckpointError(f"{self.url}: no stored item for key {index.fqn!r} at offset {index.offset}") from None
 
     def chunk(self, index: MetadataIndex) -> tuple[TensorStorageMetadata, ChunkStorageMetadata]:
-        try:
-            return self._chunks[index]
-        except KeyError:
-            raise CheckpointError(f"{self.url}: key {index.fqn!r} has no chunk at offset {index.offset}") from None
+        """The tensor and chunk an item holds; each key's chunks are mapped on first use,
+        so a load maps only the keys it reads."""
+        md = self.metadata.state_dict_metadata.get(index.fqn)
+        if isinstance(md, TensorStorageMetadata):
+            by_offset = self._chunks_by_key.get(index.fqn)
+            if by_offset is None:
+                by_offset = {tuple(chunk.offsets): chunk for chunk in md.chunks}
+                self._chunks_by_key[index.fqn] = by_offset  # a racing thread builds the same map
+            chunk = by_offset.get(tuple(index.offset or ()))
+            if chunk is not None:
+                return md, chunk
+        raise CheckpointError(f"{self.url}: key {index.fqn!r} has no chunk at offset {index.offset}")
 
     def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
         """The copy of an item in ``rank``'s own data files if one exists, else the canonical one."""
@@ -172,10 +172,7 @@ def read_catalog(location: Location) -> Catalog:
         from_index = indexed is not None and indexed.metadata is metadata
         if not from_index:  # decode_index checked its own rows
             check_metadata(metadata, items, source, copies)
-        catalog = Catalog(
-            location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies,
-            _chunks=indexed.chunks if from_index else {},
-        )
+        catalog = Catalog(location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies)
     except CheckpointError:
         raise
     except Exception as exc:  # untrusted structure: whatever validation trips over is corruption

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CheckpointExistsError
+from dcp_ext.formats.gc_pause import gc_paused
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.planning.locality import canonical_index
@@ -175,6 +176,10 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def _encode(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, set[str]]:
         """The ``.metadata`` and index bytes of the save, and every data file they reference."""
+        with gc_paused():  # a million-chunk save builds and pickles millions of objects, no garbage
+            return self._encode_objects(metadata, results)
+
+    def _encode_objects(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, set[str]]:
         stored: dict[MetadataIndex, StoredItem] = {}
         copies: dict[MetadataIndex, list[StoredItem]] = {}  # TP-replica copies: index only
         for rank_results in results:
