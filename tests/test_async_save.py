@@ -13,7 +13,8 @@
     into new buffers and round-trips (DTensors, plain tensors, objects; and
     ShardedTensors, thread executor);
   - overlapping saves: a save started while the previous one still writes
-    waits for it, and both checkpoints hold exactly their own values;
+    waits for it, and both checkpoints hold exactly their own values; so
+    does a plain ``dcp.save`` through the writer after an ``async_save``;
   - a background failure (a planner raising mid-write; ``overwrite=False``
     refusing) is raised at ``.result()`` and again, as CheckpointError, at
     the next save through the writer; the previous checkpoint still loads
@@ -285,9 +286,17 @@ def overlap_job(rank: int, world: int, base: str, executor: AsyncCheckpointerTyp
     fut1.result(timeout=60)
     fut2.result(timeout=60)
     assert writer.staging.allocations == 1, where
+    # a plain dcp.save through the writer while an async save runs waits for it too
+    third, _ = big_state(mesh, 3, destination=False)
+    fourth, _ = big_state(mesh, 4, destination=False)
+    fut3 = _start(third, writer, checkpoint_id=os.path.join(base, "three"), planner=SlowPlanner(delay=1.0), executor=executor)
+    assert not fut3.done(), where
+    dcp.save(fourth, storage_writer=writer, checkpoint_id=os.path.join(base, "four"), planner=ShardSavePlanner())
+    assert fut3.done(), where
+    fut3.result(timeout=60)
     dist.barrier()
-    _load(os.path.join(base, "one"), mesh, 1, f"{where} first of two overlapping", builder=big_state)
-    _load(os.path.join(base, "two"), mesh, 2, f"{where} second of two overlapping", builder=big_state)
+    for n, name in enumerate(["one", "two", "three", "four"], start=1):
+        _load(os.path.join(base, name), mesh, n, f"{where} {name} of overlapping saves", builder=big_state)
 
 
 def _raises_previous_failure(sd: dict, writer: ShardWriter, path: str, executor: AsyncCheckpointerType, cause: str):

@@ -22,6 +22,8 @@ dict. ``AsyncStagingMixin`` makes ``ShardWriter`` its own stager and keeps the c
   rank); DCP's checkpoint process serves one request at a time anyway, so the second save
   would only queue behind the first while holding twice the memory. The wait costs the
   training step only when saves are started faster than they finish.
+* A plain ``dcp.save`` through the writer while its async save runs (same thread) waits
+  for that save too, for the same reasons.
 * Failures surface. DCP raises a background failure from the future's ``.result()``; the
   next ``async_save`` through the same writer raises it again, once, as a
   ``CheckpointError`` naming the checkpoint (it cannot tell whether ``.result()`` was
@@ -47,6 +49,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -173,6 +176,7 @@ class _PendingSave:
     """A save whose staged copy may still be in use: its checkpoint and DCP's future for it."""
 
     checkpoint: str
+    thread: int  # the thread that staged it (DCP runs the upload elsewhere)
     future: concurrent.futures.Future | None = None
 
 
@@ -208,7 +212,7 @@ class AsyncStagingMixin(AsyncStager):
             )
             self.staging.release()
         staged = self.staging.stage(state_dict)
-        self._pending_save = _PendingSave(self.location.url)
+        self._pending_save = _PendingSave(self.location.url, threading.get_ident())
         return staged
 
     def synchronize_staging(self) -> None:
@@ -224,6 +228,26 @@ class AsyncStagingMixin(AsyncStager):
             pending.future = futures[0]
         if call.get("checkpoint_id") is not None:
             pending.checkpoint = str(call["checkpoint_id"])
+
+    def finish_async_save_first(self) -> None:
+        """Called where every save starts (``reset``, ``set_up_storage_writer``): a save started
+        on the thread that staged the async save still running (a plain ``dcp.save`` after
+        ``dcp.async_save``) waits for it and raises its failure, because the two would share
+        this writer's per-save state and run collectives on one process group at once. The
+        upload's own calls come from DCP's executor thread (or process) and pass through.
+        """
+        pending = self._pending_save
+        if pending is None or pending.thread != threading.get_ident():
+            return
+        if pending.future is None:
+            warnings.warn(
+                f"{self.location.url}: a save started while an async save staged by this writer may still "
+                "be running (no dcp.async_save future was seen for it to wait on)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        self._wait_for_previous_save()
 
     def close(self) -> None:
         """Wait for the save in flight, then release the staging memory.

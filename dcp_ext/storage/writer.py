@@ -104,11 +104,13 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.finish_async_save_first()
         if checkpoint_id:
             self.location = Location(checkpoint_id, self.storage_options)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.finish_async_save_first()
         self.clock = PhaseClock(SAVE_PHASES)  # a save starts here on every rank
         self.written = []
         self.is_coordinator = is_coordinator
