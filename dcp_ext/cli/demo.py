@@ -11,6 +11,7 @@ before the save, and times both loads. Every rank's `SaveReport` and `LoadReport
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -167,6 +168,10 @@ def _process_group(rank: int, world: int, port: int) -> Iterator[None]:
     try:
         yield
     finally:
+        # Collective work objects caught in reference cycles must be freed while the
+        # interpreter is whole: freed by the final collection at exit, gloo's threads
+        # abort the worker ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -74,7 +74,7 @@ class StoredItem(NamedTuple):
 @dataclass
 class IndexedCheckpoint:
     metadata: Metadata | None  # None: the planner data only survives in the pickle
-    items: dict[MetadataIndex, StoredItem]
+    items: Mapping[MetadataIndex, StoredItem]
     metadata_crc32c: int
     metadata_size: int
     copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)
@@ -315,7 +315,8 @@ class _Columns:
     offset: np.ndarray
     length: np.ndarray
     payload: np.ndarray
-    checksum: list[int | None]
+    checksum: np.ndarray  # uint32; meaningless where has_checksum is False
+    has_checksum: np.ndarray
     copy: np.ndarray
     nulls: dict[str, int]
 
@@ -339,7 +340,8 @@ class _Columns:
             offset=_numpy(col["offset"]),
             length=_numpy(col["length"]),
             payload=_numpy(col["payload_offset"]),
-            checksum=col["checksum"].to_pylist(),
+            checksum=_values(col["checksum"], np.uint32),
+            has_checksum=_valid(col["checksum"]),
             copy=_numpy(col["copy"]).astype(bool) & _valid(col["copy"]),
             nulls={
                 **{name: col[name].null_count for name in ("fqn", "file", "offset", "length", "payload_offset")},
@@ -350,6 +352,11 @@ class _Columns:
 
 def _numpy(array: pa.Array) -> np.ndarray:
     return array.to_numpy(zero_copy_only=False)
+
+
+def _values(array: pa.Array, dtype: type) -> np.ndarray:
+    """A primitive column's value buffer, nulls included as whatever bytes they hold."""
+    return np.frombuffer(array.buffers()[1], dtype)[array.offset : array.offset + len(array)]
 
 
 def _valid(array: pa.Array) -> np.ndarray:
@@ -375,7 +382,7 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
     tensor = keys.is_tensor[key]
     _check_locations(names, cols, source)
     off_rows, size_rows = _check_boxes(names, key, tensor, keys, cols, source)
-    return _objects(header, keys, cols, names, key, tensor, off_rows, size_rows, source)
+    return _objects(header, keys, cols, key, tensor, off_rows, size_rows, source)
 
 
 def _check_locations(names: list[str], cols: _Columns, source: str) -> None:
@@ -446,23 +453,28 @@ def _chunk_fault(source: str, fqn: str, cols: _Columns, row: int, shape: torch.S
 
 
 def _objects(
-    header: dict[str, Any], keys: _Keys, cols: _Columns, names: list[str], key: np.ndarray, tensor: np.ndarray,
+    header: dict[str, Any], keys: _Keys, cols: _Columns, key: np.ndarray, tensor: np.ndarray,
     off: np.ndarray, size: np.ndarray, source: str,
 ) -> IndexedCheckpoint:
-    """DCP objects for validated columns, built in bulk (most of the load's time)."""
+    """DCP objects for validated columns, built in bulk (most of the load's time). Only the
+    chunk metadata DCP's load planner walks is built per row; stored items are looked up
+    from the columns when asked for (``IndexedItems``)."""
+    _check_unique(keys, key, tensor, off, cols, source)
+    elems = np.where(tensor, keys.ndim[key], 0)
+    starts = np.cumsum(elems) - elems  # each tensor row's first value in off/size
     with gc_paused():
-        offsets, chunks = _chunk_objects(keys, key, tensor, off, size)
-        indices = list(map(_metadata_index, names, offsets))
-        files = [cols.file_names[c] for c in cols.file.tolist()]
-        stored = list(map(StoredItem, files, cols.offset.tolist(), cols.length.tolist(), cols.payload.tolist(), cols.checksum))
-        canonical = np.flatnonzero(~cols.copy).tolist()
-        items = dict(zip([indices[row] for row in canonical], [stored[row] for row in canonical]))
-        if len(items) != len(canonical):
-            raise _duplicate_rows(indices, canonical, source)
+        order, bounds = _by_key(key, np.flatnonzero(~cols.copy), len(keys.names))
+        in_order: list[torch.Size | None] = []
+        for k, _, _, (offsets, sizes) in _key_boxes(keys, order, bounds, (off, size), starts):
+            in_order.extend(offsets)
+            if keys.is_tensor[k]:
+                keys.state[keys.names[k]].chunks = list(map(ChunkStorageMetadata, offsets, sizes))
+        items = IndexedItems(keys.names, bounds.tolist(), order, in_order, cols)
         copies: dict[MetadataIndex, list[StoredItem]] = {}
-        for row in np.flatnonzero(cols.copy).tolist():
-            copies.setdefault(indices[row], []).append(stored[row])
-        _fill_chunk_lists(keys, key, np.flatnonzero(tensor & ~cols.copy), chunks)
+        copy_order, copy_bounds = _by_key(key, np.flatnonzero(cols.copy), len(keys.names))
+        for k, lo, hi, (offsets,) in _key_boxes(keys, copy_order, copy_bounds, (off,), starts):
+            for row, offset in zip(copy_order[lo:hi].tolist(), offsets):
+                copies.setdefault(_metadata_index(keys.names[k], offset), []).append(items.row_item(row))
     missing = [fqn for fqn, md in keys.state.items() if isinstance(md, BytesStorageMetadata) and MetadataIndex(fqn) not in items]
     if missing:
         raise CorruptCheckpointError(f"{source}: bytes item {missing[0]!r} has no stored location")
@@ -483,45 +495,95 @@ def _objects(
     return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]), copies)
 
 
-def _chunk_objects(
-    keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, size: np.ndarray
-) -> tuple[list[torch.Size | None], list[ChunkStorageMetadata | None]]:
-    """Per row, the chunk offsets as torch.Size and the ChunkStorageMetadata (None for
-    bytes rows); ``off``/``size`` hold the tensor rows' values back to back."""
-    offsets: list[torch.Size | None] = [None] * len(key)
-    chunks: list[ChunkStorageMetadata | None] = [None] * len(key)
+def _check_unique(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, cols: _Columns, source: str) -> None:
+    """No two canonical rows may claim the same key and chunk offsets."""
+    width = int(keys.ndim.max(initial=0))
+    boxes = np.full((len(key), width), -1, np.int64)
     rows = np.flatnonzero(tensor)
-    ndim = keys.ndim[key[rows]]
-    starts = np.cumsum(ndim) - ndim
-    for d in np.unique(ndim).tolist():  # rows of one rank reshape to a matrix
-        picked = np.flatnonzero(ndim == d)
-        at = (starts[picked][:, None] + np.arange(d)).reshape(-1)
-        made = list(torch_sizes(off[at].reshape(len(picked), d)))
-        made_sizes = torch_sizes(size[at].reshape(len(picked), d))
-        for row, o, chunk in zip(rows[picked].tolist(), made, map(ChunkStorageMetadata, made, made_sizes)):
-            offsets[row], chunks[row] = o, chunk
-    return offsets, chunks
+    elems = keys.ndim[key[rows]]
+    boxes[np.repeat(rows, elems), np.arange(len(off)) - np.repeat(np.cumsum(elems) - elems, elems)] = off
+    canonical = np.flatnonzero(~cols.copy)
+    table = np.column_stack([key[canonical], boxes[canonical]])
+    order = np.lexsort(table.T[::-1])
+    same = np.all(table[order[1:]] == table[order[:-1]], axis=1)
+    if np.any(same):
+        row = int(canonical[order[int(np.argmax(same))]])
+        fqn = keys.names[key[row]]
+        where = f" at offset {boxes[row, : keys.ndim[key[row]]].tolist()}" if tensor[row] else ""
+        raise CorruptCheckpointError(f"{source}: key {fqn!r} has two index rows{where}")
 
 
-def _fill_chunk_lists(keys: _Keys, key: np.ndarray, rows: np.ndarray, chunks: list[ChunkStorageMetadata | None]) -> None:
-    """Give each tensor key its canonical chunks, in index row order."""
+class IndexedItems(Mapping):
+    """The canonical stored items of an index load, {MetadataIndex: StoredItem}, read from
+    the index columns: a key's map from chunk offsets to row is built the first time the
+    key is asked for and a StoredItem per lookup, so a rank that reads its own shards does
+    not pay for a Python object per chunk of the whole job."""
+
+    def __init__(self, names: list[str], bounds: list[int], order: np.ndarray, offsets: list[torch.Size | None], cols: _Columns) -> None:
+        self._names = names
+        self._key_of = {name: k for k, name in enumerate(names)}
+        self._bounds = bounds  # key k's rows: order[bounds[k] : bounds[k + 1]]
+        self._order = order
+        self._offsets = offsets  # per position in order
+        self._rows: dict[int, dict[torch.Size | None, int]] = {}
+        self._cols = cols
+
+    def row_item(self, row: int) -> StoredItem:
+        cols = self._cols
+        checksum = int(cols.checksum[row]) if cols.has_checksum[row] else None
+        return StoredItem(
+            cols.file_names[cols.file[row]], int(cols.offset[row]), int(cols.length[row]), int(cols.payload[row]), checksum
+        )
+
+    def _rows_of(self, k: int) -> dict[torch.Size | None, int]:
+        rows = self._rows.get(k)
+        if rows is None:
+            start, end = self._bounds[k], self._bounds[k + 1]
+            rows = dict(zip(self._offsets[start:end], self._order[start:end].tolist()))
+            self._rows[k] = rows  # a racing thread builds the same map
+        return rows
+
+    def _row(self, index: MetadataIndex) -> int | None:
+        k = self._key_of.get(index.fqn)
+        return None if k is None else self._rows_of(k).get(index.offset)
+
+    def __getitem__(self, index: MetadataIndex) -> StoredItem:
+        row = self._row(index)
+        if row is None:
+            raise KeyError(index)
+        return self.row_item(row)
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, MetadataIndex) and self._row(index) is not None
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for k, name in enumerate(self._names):
+            for offset in self._rows_of(k):
+                yield _metadata_index(name, offset)
+
+    def __len__(self) -> int:
+        return self._bounds[-1]
+
+
+def _by_key(key: np.ndarray, rows: np.ndarray, keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` stably sorted by key, and where each key's run starts (``keys + 1`` bounds)."""
     order = rows[np.argsort(key[rows], kind="stable")]
-    in_order = [chunks[row] for row in order.tolist()]
-    counts = np.bincount(key[order], minlength=len(keys.names))
-    ends = np.cumsum(counts)
-    for k in np.flatnonzero(counts).tolist():
-        keys.state[keys.names[k]].chunks = in_order[int(ends[k] - counts[k]) : int(ends[k])]
+    return order, np.concatenate([[0], np.cumsum(np.bincount(key[order], minlength=keys))])
 
 
-def _duplicate_rows(indices: list[MetadataIndex], rows: list[int], source: str) -> CorruptCheckpointError:
-    seen: set[MetadataIndex] = set()
-    for row in rows:
-        if indices[row] in seen:
-            index = indices[row]
-            where = "" if index.offset is None else f" at offset {list(index.offset)}"
-            return CorruptCheckpointError(f"{source}: key {index.fqn!r} has two index rows{where}")
-        seen.add(indices[row])
-    raise AssertionError("no duplicate row")
+def _key_boxes(
+    keys: _Keys, order: np.ndarray, bounds: np.ndarray, columns: tuple[np.ndarray, ...], starts: np.ndarray
+) -> Iterator[tuple[int, int, int, list[list[torch.Size | None]]]]:
+    """Per key whose rows are ``order[lo:hi]``: (key, lo, hi, for each of ``columns`` (box
+    values back to back, row r's from ``starts[r]``) the rows' boxes as torch.Size, None
+    for a bytes key). One numpy gather per key and column, no per-row scatter."""
+    for k in np.flatnonzero(np.diff(bounds)).tolist():
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        if not keys.is_tensor[k]:
+            yield k, lo, hi, [[None] * (hi - lo) for _ in columns]
+            continue
+        at = starts[order[lo:hi]][:, None] + np.arange(int(keys.ndim[k]))
+        yield k, lo, hi, [list(torch_sizes(values[at])) for values in columns]
 
 
 class StorageDataView(Mapping):
@@ -530,7 +592,7 @@ class StorageDataView(Mapping):
     looks at storage_data, so a load need not build a million objects nobody reads;
     whoever does look (or pickles the Metadata) gets the plain dict a pickle would hold."""
 
-    def __init__(self, items: dict[MetadataIndex, StoredItem]) -> None:
+    def __init__(self, items: Mapping[MetadataIndex, StoredItem]) -> None:
         self._items = items
         self._built: dict[MetadataIndex, _StorageInfo] | None = None
 

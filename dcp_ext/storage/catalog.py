@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ class Catalog:
 
     url: str
     metadata: Metadata
-    items: dict[MetadataIndex, StoredItem]
+    items: Mapping[MetadataIndex, StoredItem]  # a dict, or the index's IndexedItems
     indexed: bool  # True when our index supplied payload offsets and checksums
     committed: bool  # False: our index vouches for .metadata but no commit marker does
     signature: tuple[Any, ...]  # of .metadata, index and marker when read (see catalog_signature)
