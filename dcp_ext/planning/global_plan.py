@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from dcp_ext.formats.gc_pause import gc_paused
 from dcp_ext.formats.index import torch_sizes
 from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
@@ -520,7 +521,9 @@ def _per_rank(ranks: int, rank: np.ndarray, first: np.ndarray, second: np.ndarra
 # -- metadata ---------------------------------------------------------------------------
 
 
+@gc_paused()
 def _metadata(rows: _Rows, boxes: _Boxes) -> Metadata:
+    """DCP's Metadata: two objects per unique chunk, built with the collector paused."""
     entries: dict[str, Any] = {}
     for start, end in zip(boxes.key_starts.tolist(), boxes.key_ends.tolist()):
         key = int(boxes.fqn[start])
