@@ -526,14 +526,20 @@ class IndexedItems(Mapping):
         self._order = order
         self._offsets = offsets  # per position in order
         self._rows: dict[int, dict[torch.Size | None, int]] = {}
+        self._made: dict[int, StoredItem] = {}
         self._cols = cols
 
     def row_item(self, row: int) -> StoredItem:
-        cols = self._cols
-        checksum = int(cols.checksum[row]) if cols.has_checksum[row] else None
-        return StoredItem(
-            cols.file_names[cols.file[row]], int(cols.offset[row]), int(cols.length[row]), int(cols.payload[row]), checksum
-        )
+        item = self._made.get(row)
+        if item is None:  # a read asks for its item several times: build it once
+            cols = self._cols
+            checksum = cols.checksum.item(row) if cols.has_checksum.item(row) else None
+            item = StoredItem(
+                cols.file_names[cols.file.item(row)], cols.offset.item(row), cols.length.item(row), cols.payload.item(row),
+                checksum,
+            )
+            self._made[row] = item
+        return item
 
     def _rows_of(self, k: int) -> dict[torch.Size | None, int]:
         rows = self._rows.get(k)
