@@ -163,30 +163,32 @@ class _Rows:
     ) -> _Rows:
         names = list(metadata.state_dict_metadata)
         tensors: dict[str, list[Any]] = {}
-        indices: list[MetadataIndex] = []
+        by_key: dict[str, dict[Any, StoredItem]] = {}  # fqn -> {chunk offsets (None: bytes): item}
+        for index, item in items.items():
+            by_key.setdefault(index.fqn, {})[index.offset] = item
+        stored: list[StoredItem] = []
+        spans: dict[str, tuple[int, list[Any]]] = {}  # fqn -> (first row, each row's offsets)
         key_parts, ndim_parts, off_parts, size_parts = [], [], [], []
         for k, (fqn, md) in enumerate(metadata.state_dict_metadata.items()):
             if isinstance(md, TensorStorageMetadata):
                 props = md.properties
                 tensors[fqn] = [dtype_name(props.dtype), list(md.size), props.requires_grad, props.pin_memory]
                 n, nd = len(md.chunks), len(md.size)
-                indices.extend(_index_of(fqn, chunk.offsets) for chunk in md.chunks)
-                off_parts.append(np.array([c.offsets for c in md.chunks], np.int64).reshape(n * nd))
+                offsets = [chunk.offsets for chunk in md.chunks]
+                off_parts.append(np.array(offsets, np.int64).reshape(n * nd))
                 size_parts.append(np.array([c.sizes for c in md.chunks], np.int64).reshape(n * nd))
             else:
-                n, nd = 1, -1
-                indices.append(MetadataIndex(fqn))
+                n, nd, offsets = 1, -1, [None]
+            spans[fqn] = (len(stored), offsets)
+            stored.extend(map(by_key.get(fqn, {}).__getitem__, offsets))  # no item for a chunk: a bug upstream
             key_parts.append(np.full(n, k, np.int32))
             ndim_parts.append(np.full(n, nd, np.int64))
-        stored = [items[index] for index in indices]
         key, ndim = _concat(key_parts, np.int32), _concat(ndim_parts, np.int64)
         offsets, sizes = _concat(off_parts, np.int64), _concat(size_parts, np.int64)
         copy = np.zeros(len(stored), bool)
         if copies:
-            row_of = dict(zip(indices, range(len(indices))))
-            copied = [row_of[index] for index, extra in copies.items() for _ in extra]
+            rows = np.array(_copied_rows(copies, spans), np.int64)
             stored.extend(item for extra in copies.values() for item in extra)
-            rows = np.array(copied, np.int64)
             starts = np.cumsum(np.maximum(ndim, 0)) - np.maximum(ndim, 0)
             lengths = np.maximum(ndim[rows], 0)
             offsets = np.concatenate([offsets, ragged_take(offsets, starts[rows], lengths)])
@@ -219,8 +221,17 @@ class _Rows:
         ]
 
 
-def _index_of(fqn: str, offsets: Any) -> MetadataIndex:
-    return _metadata_index(fqn, offsets) if type(offsets) is torch.Size else MetadataIndex(fqn, offsets)
+def _copied_rows(copies: dict[MetadataIndex, list[StoredItem]], spans: dict[str, tuple[int, list[Any]]]) -> list[int]:
+    """For each copy, in ``copies`` order, the row of the canonical chunk it copies."""
+    row_maps: dict[str, dict[Any, int]] = {}
+    rows = []
+    for index, extra in copies.items():
+        row_of = row_maps.get(index.fqn)
+        if row_of is None:
+            first, offsets = spans[index.fqn]
+            row_of = row_maps[index.fqn] = dict(zip(offsets, range(first, first + len(offsets))))
+        rows.extend([row_of[index.offset]] * len(extra))
+    return rows
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
