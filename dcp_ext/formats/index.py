@@ -524,7 +524,7 @@ def _check_unique(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndar
         raise CorruptCheckpointError(f"{source}: key {fqn!r} has two index rows{where}")
 
 
-class IndexedItems(Mapping):
+class IndexedItems(Mapping[MetadataIndex, StoredItem]):
     """The canonical stored items of an index load, {MetadataIndex: StoredItem}, read from
     the index columns: a key's map from chunk offsets to row is built the first time the
     key is asked for and a StoredItem per lookup, so a rank that reads its own shards does
@@ -603,7 +603,7 @@ def _key_boxes(
         yield k, lo, hi, [list(torch_sizes(values[at])) for values in columns]
 
 
-class StorageDataView(Mapping):
+class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):
     """``Metadata.storage_data`` of an index load: DCP's {MetadataIndex: _StorageInfo},
     built on first use. Our reader reads ``Catalog.items`` and DCP's load path never
     looks at storage_data, so a load need not build a million objects nobody reads;
