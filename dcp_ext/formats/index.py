@@ -189,10 +189,10 @@ class _Rows:
         if copies:
             rows = np.array(_copied_rows(copies, spans), np.int64)
             stored.extend(item for extra in copies.values() for item in extra)
-            starts = np.cumsum(np.maximum(ndim, 0)) - np.maximum(ndim, 0)
-            lengths = np.maximum(ndim[rows], 0)
-            offsets = np.concatenate([offsets, ragged_take(offsets, starts[rows], lengths)])
-            sizes = np.concatenate([sizes, ragged_take(sizes, starts[rows], lengths)])
+            elems = np.maximum(ndim, 0)
+            starts, lengths = (np.cumsum(elems) - elems)[rows], elems[rows]
+            offsets = np.concatenate([offsets, ragged_take(offsets, starts, lengths)])
+            sizes = np.concatenate([sizes, ragged_take(sizes, starts, lengths)])
             key, ndim = np.concatenate([key, key[rows]]), np.concatenate([ndim, ndim[rows]])
             copy = np.concatenate([copy, np.ones(len(rows), bool)])
         return cls(names, tensors, key, ndim, offsets, sizes, stored, copy)
@@ -238,10 +238,14 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
+def ragged_within(lengths: np.ndarray) -> np.ndarray:
+    """For runs of ``lengths`` laid back to back, each element's position in its run."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
 def ragged_take(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``values[starts[i] : starts[i] + lengths[i]]`` for every i, back to back."""
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return values[np.repeat(starts, lengths) + within]
+    return values[np.repeat(starts, lengths) + ragged_within(lengths)]
 
 
 def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
@@ -512,7 +516,7 @@ def _check_unique(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndar
     boxes = np.full((len(key), width), -1, np.int64)
     rows = np.flatnonzero(tensor)
     elems = keys.ndim[key[rows]]
-    boxes[np.repeat(rows, elems), np.arange(len(off)) - np.repeat(np.cumsum(elems) - elems, elems)] = off
+    boxes[np.repeat(rows, elems), ragged_within(elems)] = off
     canonical = np.flatnonzero(~cols.copy)
     table = np.column_stack([key[canonical], boxes[canonical]])
     order = np.lexsort(table.T[::-1])
@@ -527,8 +531,8 @@ def _check_unique(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndar
 class IndexedItems(Mapping[MetadataIndex, StoredItem]):
     """The canonical stored items of an index load, {MetadataIndex: StoredItem}, read from
     the index columns: a key's map from chunk offsets to row is built the first time the
-    key is asked for and a StoredItem per lookup, so a rank that reads its own shards does
-    not pay for a Python object per chunk of the whole job."""
+    key is asked for and a StoredItem the first time its row is, so a rank that reads its
+    own shards does not pay for a Python object per chunk of the whole job."""
 
     def __init__(self, names: list[str], bounds: list[int], order: np.ndarray, offsets: list[torch.Size | None], cols: _Columns) -> None:
         self._names = names

@@ -176,12 +176,9 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                     results.extend(future.result())
         return results
 
+    @gc_paused()  # a million-chunk save builds and pickles millions of objects, no garbage
     def _encode(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, set[str]]:
         """The ``.metadata`` and index bytes of the save, and every data file they reference."""
-        with gc_paused():  # a million-chunk save builds and pickles millions of objects, no garbage
-            return self._encode_objects(metadata, results)
-
-    def _encode_objects(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, set[str]]:
         stored: dict[MetadataIndex, StoredItem] = {}
         copies: dict[MetadataIndex, list[StoredItem]] = {}  # TP-replica copies: index only
         for rank_results in results:
