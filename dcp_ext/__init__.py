@@ -5,6 +5,7 @@ from dcp_ext.errors import (
     CheckpointExistsError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidRequestError,
     UnsafeCheckpointError,
 )
 from dcp_ext.observe import LoadReport, SaveReport, add_report_callback, remove_report_callback
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointExistsError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "InvalidRequestError",
     "LoadReport",
     "PlacementFn",
     "ReadStats",

@@ -23,3 +23,11 @@ class UnsafeCheckpointError(CheckpointError):
 
 class CheckpointExistsError(CheckpointError):
     """A save with ``overwrite=False`` found a committed checkpoint in place."""
+
+
+class InvalidRequestError(CheckpointError, ValueError):
+    """A state dict, placements, plans or options that cannot be saved or loaded as asked.
+
+    Also a ``ValueError``: DCP's own planners raise that for the same mistakes, and
+    callers catch it.
+    """

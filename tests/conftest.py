@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter, clear_metadata_cache
 
@@ -71,6 +73,14 @@ def load_error(like: dict, path, **reader_kwargs) -> BaseException:
     except CheckpointException as exc:
         return next(iter(exc.failures.values()))[0]
     raise AssertionError(f"loading {path} unexpectedly succeeded")
+
+
+def local_save_plans(state: dict) -> list[SavePlan]:
+    """The SavePlan a rank of a one-rank job makes for ``state``: real DCP objects, the kind
+    megatron-core stores inside ``.metadata``."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    return [planner.create_local_plan()]
 
 
 @pytest.fixture(autouse=True)

@@ -86,6 +86,7 @@ def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
         save(sample_state(5), tmp_path, overwrite=False)
     error = next(iter(info.value.failures.values()))[0]
     assert isinstance(error, CheckpointExistsError) and str(tmp_path) in str(error)
+    assert "Checkpoint already exists" in str(error)  # stock's phrase: code matching it keeps working
     assert_state_equal(load(state, tmp_path)[0], state)  # the existing checkpoint is untouched
 
 
@@ -128,3 +129,13 @@ def test_gc_pause_nests_and_restores_the_collector():
         assert not gc.isenabled()  # a collector the caller turned off stays off
     finally:
         gc.enable()
+
+
+def test_load_id_matches_the_metadata_storage_meta(tmp_path):
+    """As stock readers: ``read_metadata().storage_meta.load_id == reader.load_id``, new per reset."""
+    save(sample_state(), tmp_path)
+    reader = ShardReader(tmp_path)
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+    first = reader.load_id
+    reader.reset(tmp_path)
+    assert reader.load_id != first and reader.read_metadata().storage_meta.load_id == reader.load_id

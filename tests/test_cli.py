@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import sample_state, save
+from conftest import assert_state_equal, load, sample_state, save
 
 from dcp_ext.formats.index import INDEX_NAME
 
@@ -85,3 +85,61 @@ def test_demo_job_round_trips_bit_exact(tmp_path):
     report = json.loads(result.stdout)
     assert report["ok"] and report["mismatches"] == [] and report["tensors_checked"] > 100
     assert report["save_world"] == 4 and report["load_world"] == 2
+
+
+def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, what the one error line must say), on real paths made here."""
+    ckpt, afile, meta_dir = tmp_path / "ckpt", tmp_path / "afile", tmp_path / "meta_dir"
+    save(sample_state(), ckpt)
+    afile.write_text("not a checkpoint")
+    (meta_dir / ".metadata").mkdir(parents=True)
+    return {
+        "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
+        "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
+        "inspect missing": (["inspect", str(tmp_path / "nope")], ".metadata is missing"),
+        "convert onto a file": (["convert", str(ckpt), str(afile)], f"{afile}: is a file"),
+        "convert onto itself": (["convert", str(ckpt), str(ckpt)], "is the source checkpoint"),
+        "convert a file": (["convert", str(afile), str(tmp_path / "out")], "is a file, not a checkpoint directory"),
+        "convert --iteration ten": (
+            ["convert", str(ckpt), str(tmp_path / "o2"), "--iteration", "ten"], "--iteration 'ten' is neither"),
+        "convert --partition-dim": (
+            ["convert", str(ckpt), str(tmp_path / "o3"), "--partition-dim", "x=abc"], "is not REGEX=DIM"),
+    }
+
+
+@pytest.mark.parametrize("mistake", [
+    "inspect a file", "inspect .metadata directory", "inspect missing", "convert onto a file",
+    "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
+])
+def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
+    from dcp_ext.cli.main import main
+
+    argv, message = user_mistakes(tmp_path)[mistake]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_verify_of_a_file_or_a_metadata_directory_fails_in_one_fault(tmp_path, capsys):
+    from dcp_ext.cli.main import main
+
+    mistakes = user_mistakes(tmp_path)
+    for name in ("inspect a file", "inspect .metadata directory"):
+        argv, message = mistakes[name]
+        assert main(["verify", argv[1]]) == 1
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("FAULT") and message in out[0] and out[1].startswith("FAILED"), out
+
+
+def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsys):
+    from dcp_ext.cli.main import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save(sample_state(1), src)
+    save(sample_state(2), dst)
+    assert main(["convert", str(src), str(dst)]) == 2
+    assert "Checkpoint already exists" in capsys.readouterr().err
+    assert main(["convert", str(src), str(dst), "--overwrite"]) == 0
+    assert main(["verify", str(dst)]) == 0
+    want = sample_state(1)
+    assert_state_equal(load(want, dst)[0], want)

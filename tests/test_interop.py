@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -132,3 +134,91 @@ def test_interop_with_stock_dcp(tmp_path):
     for w, path in _dirs(base).items():
         assert os.path.exists(os.path.join(path, ".metadata")), f"{w} wrote no .metadata"
     run_job(resharded_load_job, 1, base)
+
+
+# -- .metadata pickles as other producers write them (single process) ------------------------
+def _stock_checkpoint_with(path, mutate) -> dict:
+    """A stock-written checkpoint whose Metadata is rewritten by ``mutate`` (pickled as DCP does)."""
+    import pickle
+
+    state = {"w": torch.randn(6, 5), "b": torch.arange(7, dtype=torch.int32), "step": 3}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # written just above: trusted
+    mutate(metadata, state)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    return state
+
+
+def _load_into_garbage(path, like: dict) -> dict:
+    out = {k: garbage_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in like.items()}
+    dcp.load(out, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+    return out
+
+
+def test_metadata_carrying_local_save_plans_loads(tmp_path):
+    """megatron-core's torch_dist strategy pickles the local SavePlans into .metadata."""
+    from conftest import local_save_plans
+
+    state = _stock_checkpoint_with(tmp_path, lambda md, sd: setattr(md, "planner_data", local_save_plans(sd)))
+    assert_state_dict_equal(_load_into_garbage(tmp_path, state), state)
+
+
+def test_metadata_with_pre_2_2_tensor_properties_loads(tmp_path):
+    """torch < 2.2 pickled sharded_tensor's TensorProperties; it decodes as DCP's own class."""
+    from torch.distributed._shard.sharded_tensor import metadata as old
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    def to_old_properties(metadata, _):
+        for md in metadata.state_dict_metadata.values():
+            if hasattr(md, "properties"):
+                p = md.properties
+                md.properties = old.TensorProperties(p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+
+    state = _stock_checkpoint_with(tmp_path, to_old_properties)
+    assert b"sharded_tensor.metadata" in (tmp_path / ".metadata").read_bytes()
+    metadata = ShardReader(tmp_path).read_metadata()
+    assert type(metadata.state_dict_metadata["w"].properties) is TensorProperties
+    assert metadata.state_dict_metadata["b"].properties.dtype == torch.int32
+    assert_state_dict_equal(_load_into_garbage(tmp_path, state), state)
+
+
+# -- our save planner with other storage writers -----------------------------------------------
+class PlanRebuildingWriter(dcp.FileSystemWriter):
+    """A writer whose prepare_global_plan builds new SavePlan objects (no dataclasses.replace)."""
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            SavePlan(plan.items, storage_data=_StoragePrefix(f"__{i}_"), planner_data=plan.planner_data)
+            for i, plan in enumerate(plans)
+        ]
+
+
+def planner_with_other_writers_job(rank: int, world: int, base: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    sd, _ = build(mesh, destination=False)
+    writers = {
+        "rebuilding": PlanRebuildingWriter(os.path.join(base, "rebuilding")),
+        "FileSystemWriter": dcp.FileSystemWriter(os.path.join(base, "fs")),
+        "FsspecWriter": FsspecWriter(os.path.join(base, "fsspec")),
+    }
+    for name, writer in writers.items():
+        dcp.save(sd, storage_writer=writer, planner=ShardSavePlanner())
+        dest, expected = build(mesh, destination=True)
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(writer.path), planner=DefaultLoadPlanner())
+        assert_state_dict_equal(dest, expected, f"rank {rank}: ShardSavePlanner + {name}")
+
+
+def test_save_planner_with_stock_and_plan_rebuilding_writers(tmp_path):
+    run_job(planner_with_other_writers_job, 2, str(tmp_path))
+
+
+def test_save_planner_with_hugging_face_writer(tmp_path):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    state = {"w": torch.randn(4, 3), "ids": torch.arange(5), "h": torch.randn(2, 2).to(torch.bfloat16)}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp_path)), planner=ShardSavePlanner())
+    dest = {k: garbage_like(v) for k, v in state.items()}
+    dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(tmp_path)))
+    assert_state_dict_equal(dest, state)

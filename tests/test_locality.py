@@ -109,3 +109,30 @@ def test_verify_checks_every_copy(tmp_path):
         f.write(bytes([byte[0] ^ 0x10]))
     result = subprocess.run([sys.executable, "-m", "dcp_ext.cli.main", "verify", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 1 and copy.relative_path in result.stdout and "router.weight" in result.stdout
+
+
+def _locality_without_tp_dim(rank: int, world: int, path: str) -> str:
+    """A 1-D TP mesh made without mesh_dim_names: replica_locality cannot take effect."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(v, mesh, [SPECS[k][1]]) for k, v in full_tensors().items()}
+    try:
+        dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=True))
+    except CheckpointException as exc:
+        return str(next(iter(exc.failures.values()))[0])
+    return "saved"
+
+
+def test_replica_locality_on_a_mesh_without_the_tp_dim_is_an_error(tmp_path):
+    messages = run_job(_locality_without_tp_dim, 2, str(tmp_path))
+    for message in messages:
+        assert "replica_locality=True" in message and "tp_dim='tp'" in message and "unnamed" in message, message
+    assert not os.path.exists(tmp_path / ".metadata")
+
+
+def test_tp_dim_without_replica_locality_is_an_error():
+    from dcp_ext import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="tp_dim only applies with replica_locality=True"):
+        ShardSavePlanner(tp_dim="model")

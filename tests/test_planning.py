@@ -45,3 +45,27 @@ def test_every_item_written_exactly_once_by_a_holder():
         assert all(int(i.index.fqn[1:]) >= rank for i in plan.items)  # only holders write
     loads = _bytes_per_rank(written)
     assert max(loads) - min(loads) <= 120
+
+
+def test_an_invalid_global_plan_is_a_checkpoint_error_and_a_value_error():
+    """Chunks that leave part of a tensor unsaved: DCP raises ValueError, we a subclass of both."""
+    import pytest
+
+    from dcp_ext import CheckpointError, InvalidRequestError
+    from planning_util import global_plan, shard_item
+
+    plans = [SavePlan([shard_item("w", [0], [3], [8])]), SavePlan([shard_item("w", [4], [4], [8])])]
+    with pytest.raises(InvalidRequestError, match="Failed to validate global plan") as info:
+        global_plan(plans)
+    assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
+
+
+def test_every_public_error_derives_from_checkpoint_error():
+    import dcp_ext
+    from dcp_ext.megatron import IncompleteSaveError
+
+    errors = [getattr(dcp_ext, n) for n in dcp_ext.__all__ if n.endswith("Error")] + [IncompleteSaveError]
+    assert len(errors) >= 7
+    for error in errors:
+        assert issubclass(error, dcp_ext.CheckpointError), error
+    assert issubclass(dcp_ext.ReplicaMismatchError, ValueError)  # as before: callers may catch ValueError

@@ -7,6 +7,7 @@ is no defence against an attacker), so they reach the index decoder and validati
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -17,7 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import load, load_error, sample_state, save
+from conftest import load, load_error, local_save_plans, sample_state, save
+
+from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_ext import CheckpointError, CorruptCheckpointError, ShardReader, UnsafeCheckpointError
 from dcp_ext.formats.index import INDEX_NAME
@@ -77,6 +80,34 @@ def test_code_running_metadata_is_refused(tmp_path, attack, where):
         metadata.planner_data = {"x": payload}
         write_metadata_pickle(ckpt, metadata, drop_index=False)
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refuses to load \w+\.\w+"):
+        ShardReader(ckpt).read_metadata()
+    assert not canary.exists()
+
+
+def hide_in_save_plan(plan: SavePlan, where: str, payload: Payload) -> SavePlan:
+    """``plan`` with ``payload`` in one field of its first tensor WriteItem (or the plan)."""
+    item = next(i for i in plan.items if i.tensor_data is not None)
+    if where == "SavePlan.planner_data":
+        return dataclasses.replace(plan, planner_data={"x": payload})
+    if where == "WriteItem.index":
+        hidden = dataclasses.replace(item, index=payload)
+    else:  # TensorWriteData.size
+        hidden = dataclasses.replace(item, tensor_data=dataclasses.replace(item.tensor_data, size=payload))
+    return dataclasses.replace(plan, items=[hidden, *plan.items[1:]])
+
+
+@pytest.mark.parametrize("attack", ["os.system", "eval"])
+@pytest.mark.parametrize("where", ["WriteItem.index", "SavePlan.planner_data", "TensorWriteData.size"])
+def test_code_hidden_in_save_plans_is_refused(tmp_path, attack, where):
+    """megatron-core stores local SavePlans in .metadata, so their classes are admitted: not their payloads."""
+    ckpt, canary = tmp_path / "ckpt", tmp_path / "canary"
+    state = sample_state()
+    save(state, ckpt)
+    payload = code_payloads(str(canary), str(ckpt / ".metadata"))[attack]
+    metadata = read_metadata_pickle(ckpt)
+    metadata.planner_data = [hide_in_save_plan(plan, where, payload) for plan in local_save_plans(state)]
+    write_metadata_pickle(ckpt, metadata)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refuses to load (posix\.system|builtins\.eval)"):
         ShardReader(ckpt).read_metadata()
     assert not canary.exists()
 

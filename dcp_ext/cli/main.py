@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from dcp_ext.errors import CheckpointError
 
 _COMMANDS = {
@@ -26,9 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].main(args)
-    except CheckpointError as exc:
+    except CheckpointException as exc:  # raised by dcp.save/load: report the first rank's failure
+        error = next(iter(exc.failures.values()))[0] if exc.failures else exc
+        if not isinstance(error, (CheckpointError, OSError)):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+    except (CheckpointError, OSError) as exc:  # bad input or a storage fault; both name the path
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return 2
 
 
 if __name__ == "__main__":

@@ -2,9 +2,20 @@
 
 Stock DCP calls ``pickle.load`` on ``.metadata``, so a crafted checkpoint runs arbitrary
 code on every rank that opens it (pytorch #189308). This unpickler resolves only the
-classes a DCP ``Metadata`` is built from; any other global, a malformed stream or absurd
-nesting raises :class:`UnsafeCheckpointError` / :class:`CorruptCheckpointError` before
-anything executes.
+classes real ``.metadata`` files are built from; any other global, a malformed stream or
+absurd nesting raises :class:`UnsafeCheckpointError` / :class:`CorruptCheckpointError`
+before anything executes.
+
+Besides DCP's metadata classes, real files carry:
+- the local save plans (``SavePlan``, ``WriteItem``, ``TensorWriteData``,
+  ``WriteItemType``): megatron-core's torch_dist strategy stores them in its metadata;
+- ``torch.distributed._shard.sharded_tensor.metadata.TensorProperties`` and its
+  ``MEM_FORMAT_ENCODING``: what DCP pickled before it had its own copies (torch < 2.2);
+  they are decoded as today's DCP classes, which have the same fields and encoding.
+
+Each admitted class is a frozen or plain dataclass or an Enum: unpickling one allocates
+it and fills its fields (or looks an enum member up by value); none runs code of the
+stream's choosing.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 
 from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.gc_pause import gc_paused
@@ -32,6 +44,9 @@ _METADATA_CLASSES = (
     "StorageMeta",
     "_MEM_FORMAT_ENCODING",
 )
+_PLAN_CLASSES = ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
+_LEGACY_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.metadata"
+_LEGACY_NAMES = {"TensorProperties": "TensorProperties", "MEM_FORMAT_ENCODING": "_MEM_FORMAT_ENCODING"}
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _PATH_CLASSES = ("PosixPath", "PurePosixPath", "PureWindowsPath")  # stock stores checkpoint_id as a Path
 
@@ -48,6 +63,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
             return getattr(dcp_metadata, name)
+        if module == "torch.distributed.checkpoint.planner" and name in _PLAN_CLASSES:
+            return getattr(dcp_planner, name)
+        if module == _LEGACY_SHARDED_TENSOR and name in _LEGACY_NAMES:
+            return getattr(dcp_metadata, _LEGACY_NAMES[name])
         if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
             return dcp_filesystem._StorageInfo
         if (module, name) == ("torch.serialization", "_get_layout"):

@@ -20,10 +20,19 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import ShardReader
 from dcp_ext.storage.writer import ShardWriter
+
+
+def _check_destination(source: Location, target: Location) -> None:
+    if target.cache_key() == source.cache_key():
+        raise InvalidRequestError(f"{target.url}: is the source checkpoint; convert into another directory")
+    if target.is_local and os.path.isfile(target.root):
+        raise InvalidRequestError(f"{target.url}: is a file; the destination must be a directory")
 
 
 @dataclass
@@ -57,10 +66,16 @@ def convert(
     options: MegatronOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> ConvertReport:
-    """Write every item of ``src`` to a new ShardWriter checkpoint at ``dst``."""
+    """Write every item of ``src`` to a new ShardWriter checkpoint at ``dst``.
+
+    ``dst`` must not be ``src`` nor a file; a checkpoint already at ``dst`` is replaced
+    only with ``overwrite=True`` (else ``CheckpointExistsError``).
+    """
     reader = ShardReader(src, megatron=options, storage_options=storage_options)
     entries = reader.read_metadata().state_dict_metadata
+    _check_destination(reader.location, Location(dst, storage_options))
     sizes = {
         fqn: numel(md.size) * md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 0
         for fqn, md in entries.items()
@@ -89,6 +104,6 @@ def convert(
         else io.BytesIO()
         for fqn, md in entries.items()
     }
-    writer = ShardWriter(dst, thread_count=1, storage_options=storage_options)
+    writer = ShardWriter(dst, thread_count=1, storage_options=storage_options, overwrite=overwrite)
     dcp.save(plan_state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
     return ConvertReport(len(entries), total)

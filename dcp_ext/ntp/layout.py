@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from dcp_ext.errors import InvalidRequestError
+
 Range = tuple[int, int]  # [start, stop) along the partition dimension
 
 
@@ -35,17 +37,17 @@ class NonuniformTP:
 
     def __post_init__(self) -> None:
         if self.tp_base < 1 or not 0 <= self.tp_spares < self.tp_base:
-            raise ValueError(f"need tp_base >= 1 and 0 <= tp_spares < tp_base, got {self.tp_base}, {self.tp_spares}")
+            raise InvalidRequestError(f"need tp_base >= 1 and 0 <= tp_spares < tp_base, got {self.tp_base}, {self.tp_spares}")
         if self.num_reduced_tp_dp_ranks < 0:
-            raise ValueError(f"num_reduced_tp_dp_ranks must be >= 0, got {self.num_reduced_tp_dp_ranks}")
+            raise InvalidRequestError(f"num_reduced_tp_dp_ranks must be >= 0, got {self.num_reduced_tp_dp_ranks}")
         for dp_rank, slots in (self.non_active_ranks_per_dp or {}).items():
             if not 0 <= dp_rank < self.num_reduced_tp_dp_ranks:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"non_active_ranks_per_dp names DP replica {dp_rank}, but only replicas "
                     f"0..{self.num_reduced_tp_dp_ranks - 1} run at reduced TP"
                 )
             if len(set(slots)) != self.tp_spares or not all(0 <= s < self.tp_base for s in slots):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"DP replica {dp_rank}: a reduced replica lists exactly tp_spares={self.tp_spares} "
                     f"distinct non-active slots in [0, {self.tp_base}), got {list(slots)}"
                 )
@@ -73,14 +75,14 @@ class NonuniformTP:
         of every core chunk is dealt unit by unit, round-robin, to the spares.
         """
         if dp_rank < 0 or not 0 <= tp_slot < self.tp_base:
-            raise ValueError(f"no TP slot {tp_slot} in DP replica {dp_rank} (tp_base={self.tp_base})")
+            raise InvalidRequestError(f"no TP slot {tp_slot} in DP replica {dp_rank} (tp_base={self.tp_base})")
         if unit < 1 or size < 0 or size % unit:
-            raise ValueError(f"size {size} is not a whole number of units of {unit} rows")
+            raise InvalidRequestError(f"size {size} is not a whole number of units of {unit} rows")
         units = size // unit
         if self.is_reduced(dp_rank):
             active = self.active_slots(dp_rank)
             if tp_slot not in active:
-                raise ValueError(f"TP slot {tp_slot} of reduced DP replica {dp_rank} is not active (active: {active})")
+                raise InvalidRequestError(f"TP slot {tp_slot} of reduced DP replica {dp_rank} is not active (active: {active})")
             owned = list(range(*_chunk(units, self.reduced_tp, active.index(tp_slot))))
         elif self.tp_spares == 0:
             owned = list(range(*_chunk(units, self.tp_base, tp_slot)))
@@ -91,7 +93,7 @@ class NonuniformTP:
     def _healthy_units(self, units: int, tp_slot: int) -> list[int]:
         r = self.reduced_tp
         if units % self.tp_base or units % r:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{units} units cannot be split over a healthy NTP replica: the count must be a "
                 f"multiple of tp_base={self.tp_base} and of the reduced degree {r}"
             )

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.ntp.layout import Range
 
 
@@ -83,7 +84,7 @@ class NTPShard(torch.Tensor):
         for piece, chunk in zip(self._pieces, self._chunks):
             if chunk.offsets == index.offset:
                 return piece
-        raise ValueError(f"{index.fqn}: this rank holds no piece at offsets {index.offset}")
+        raise InvalidRequestError(f"{index.fqn}: this rank holds no piece at offsets {index.offset}")
 
 
 def ntp_shard(
@@ -106,7 +107,7 @@ def ntp_shard(
     lengths = [b - a for a, b in ranges]
     if isinstance(local_pieces, torch.Tensor):
         if local_pieces.dim() != len(shape) or local_pieces.shape[dim] != sum(lengths):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"local tensor of shape {tuple(local_pieces.shape)} does not hold {sum(lengths)} "
                 f"rows of a {tuple(shape)} tensor along dim {dim}"
             )
@@ -114,15 +115,15 @@ def ntp_shard(
     else:
         pieces = list(local_pieces)
         if len(pieces) != len(ranges):
-            raise ValueError(f"{len(pieces)} pieces for {len(ranges)} ranges")
+            raise InvalidRequestError(f"{len(pieces)} pieces for {len(ranges)} ranges")
     if not pieces:
-        raise ValueError("no pieces: pass an empty local tensor (0 rows) so the dtype is known")
+        raise InvalidRequestError("no pieces: pass an empty local tensor (0 rows) so the dtype is known")
     dtype, device = pieces[0].dtype, pieces[0].device
     chunks = []
     for piece, (start, stop) in zip(pieces, ranges):
         want = shape[:dim] + torch.Size([stop - start]) + shape[dim + 1 :]
         if piece.shape != want or piece.dtype != dtype or piece.device != device:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"piece for rows [{start}, {stop}) is {tuple(piece.shape)} {piece.dtype} on {piece.device}; "
                 f"expected {tuple(want)} {dtype} on {device}"
             )
@@ -135,7 +136,7 @@ def ntp_shard(
 
 def _check_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
-        raise ValueError(f"partition_dim {dim} out of range for a {ndim}-d tensor")
+        raise InvalidRequestError(f"partition_dim {dim} out of range for a {ndim}-d tensor")
     return dim % ndim
 
 
@@ -143,4 +144,4 @@ def _check_ranges(ranges: list[Range], size: int) -> None:
     ordered = sorted(ranges)
     for (start, stop), nxt in zip(ordered, ordered[1:] + [(size, size)]):
         if not 0 <= start <= stop <= nxt[0]:
-            raise ValueError(f"ranges {ranges} must be disjoint and within [0, {size})")
+            raise InvalidRequestError(f"ranges {ranges} must be disjoint and within [0, {size})")

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
+from dcp_ext.errors import InvalidRequestError
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 Cuts = dict[str, list[list[int]]]  # per key, per dim: the sorted boundaries to split at
 
@@ -41,7 +43,7 @@ def chunk_view(obj: Any, item: WriteItem) -> torch.Tensor:
             for dim, (w, n, lo) in enumerate(zip(want.offsets, want.sizes, local.offsets)):
                 data = data.narrow(dim, w - lo, n)
             return data
-    raise ValueError(
+    raise InvalidRequestError(
         f"{item.index.fqn}: no local chunk holds the planned chunk at offsets "
         f"{list(want.offsets)} sizes {list(want.sizes)}"
     )

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.gc_pause import gc_paused
 from dcp_ext.formats.index import torch_sizes
 from dcp_ext.observe import PhaseClock
@@ -243,7 +244,7 @@ def _intern(ids: dict[str, int], facts: list[TensorFacts | None], fqn: str, fact
         ids[fqn] = n = len(facts)
         facts.append(fact)
     elif facts[n] != fact:
-        raise ValueError(
+        raise InvalidRequestError(
             f"Failed to validate global plan: key {fqn!r} is declared with different tensor facts by "
             f"different ranks: {_describe(facts[n])} vs {_describe(fact)}"
         )
@@ -321,7 +322,7 @@ def _validate(rows: _Rows, boxes: _Boxes, multi_rank: bool) -> Cuts:
         errors.extend(_bounds_and_volume(name, off, size, shape, multi_rank))
     if errors:
         summary = "; ".join(errors)
-        raise ValueError(f"Failed to validate global plan: {summary[:500]}{'... (truncated)' if len(summary) > 500 else ''}")
+        raise InvalidRequestError(f"Failed to validate global plan: {summary[:500]}{'... (truncated)' if len(summary) > 500 else ''}")
     return cuts
 
 

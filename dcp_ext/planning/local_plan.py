@@ -3,8 +3,11 @@
 DCP gathers each rank's ``SavePlan`` on the coordinator and scatters one back. Ours carry
 no WriteItems on the wire: the local plan holds the rank's ``PlanTable`` (plus a digest per
 chunk for the replica check and the rank's tensor-parallel coordinate for replica
-locality), and the plan sent back holds a ``RankAssignment`` (rows of that table to write).
-Each rank keeps its own WriteItems and expands the assignment in ``finish_plan``.
+locality), and the plan sent back holds a ``RankAssignment`` (rows of that table to write)
+in ``planner_data``, the field DCP reserves for the planner: a storage writer may rebuild
+the plans in its ``prepare_global_plan`` and keeps that field, where an attribute of a
+SavePlan subclass would be lost. Each rank keeps its own WriteItems and expands the
+assignment in ``finish_plan``.
 """
 
 from __future__ import annotations
@@ -25,11 +28,6 @@ class ShardLocalPlan(SavePlan):
     table: PlanTable | None = None
     chunk_digests: np.ndarray | None = None  # (rows, 2) uint64, see replica_check
     tp_rank: int | None = None  # this rank's coordinate on the tensor-parallel mesh dim
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardGlobalPlan(SavePlan):
-    assignment: RankAssignment | None = None
 
 
 def assigned_items(items: list[WriteItem], assignment: RankAssignment) -> list[WriteItem]:

@@ -19,6 +19,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
+from dcp_ext.errors import InvalidRequestError
+
 COPY_MARK = "\x00tp_copy:"  # cannot appear in a real state-dict key
 
 
@@ -32,9 +34,21 @@ def canonical_index(index: MetadataIndex) -> MetadataIndex | None:
     return MetadataIndex(fqn, index.offset) if mark else None
 
 
-def tp_coordinate(state_dict: dict[str, Any], dim_name: str) -> int | None:
-    """This rank's coordinate on the mesh dim ``dim_name`` of the state dict's DTensors."""
+def tp_coordinate(state_dict: dict[str, Any], dim_name: str) -> int:
+    """This rank's coordinate on the mesh dim ``dim_name`` of the state dict's DTensors.
+
+    Raises when no DTensor lives on a mesh with that dim: locality could not take effect.
+    """
+    seen: set[tuple[str, ...] | None] = set()
     for value in state_dict.values():
-        if isinstance(value, DTensor) and dim_name in (value.device_mesh.mesh_dim_names or ()):
-            return value.device_mesh.get_local_rank(dim_name)
-    return None
+        if isinstance(value, DTensor):
+            names = value.device_mesh.mesh_dim_names
+            if dim_name in (names or ()):
+                return value.device_mesh.get_local_rank(dim_name)
+            seen.add(names)
+    found = ", ".join(sorted(str(list(n)) if n else "unnamed" for n in seen)) or "none (no DTensors)"
+    raise InvalidRequestError(
+        f"ShardSavePlanner(replica_locality=True): no DTensor of the state dict lives on a mesh with a dim "
+        f"named tp_dim={dim_name!r} (mesh dims found: {found}); name the tensor-parallel mesh dim with "
+        "mesh_dim_names and pass it as tp_dim, or leave replica_locality off"
+    )

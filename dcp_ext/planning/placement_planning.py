@@ -11,6 +11,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
 
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict
 
 
@@ -19,7 +20,7 @@ class _Placements:
 
     def __init__(self, placement_fn: PlacementFn | None, mesh: DeviceMesh | None) -> None:
         if (placement_fn is None) != (mesh is None):
-            raise ValueError("placement_fn and mesh go together: pass both or neither")
+            raise InvalidRequestError("placement_fn and mesh go together: pass both or neither")
         self.placement_fn = placement_fn
         self.mesh = mesh
 

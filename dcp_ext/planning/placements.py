@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from dcp_ext.errors import InvalidRequestError
+
 PlacementFn = Callable[[str, torch.Tensor], Sequence[Placement] | None]
 """``placement_fn(fqn, tensor)``: checkpoint placements for a key, or None to leave it alone."""
 
@@ -47,7 +49,7 @@ def with_checkpoint_placements(
     with torch.no_grad():
         local = param.to_local() if isinstance(param, DTensor) else param.detach()
         if local.device.type != mesh.device_type and not local.is_meta:
-            raise ValueError(f"{name}: tensor on {local.device} but checkpoint mesh on {mesh.device_type}; wrapping would copy it")
+            raise InvalidRequestError(f"{name}: tensor on {local.device} but checkpoint mesh on {mesh.device_type}; wrapping would copy it")
         shape = list(param.shape)
         for axis, p in enumerate(placements):
             if isinstance(p, Shard):
@@ -55,7 +57,7 @@ def with_checkpoint_placements(
         for dim, ranks in _own_shards(param, name).items():
             axis = _axis_over(mesh, ranks, name)
             if isinstance(placements[axis], Shard):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"{name}: the parameter is already sharded over ranks {list(ranks)}, which the "
                     f"checkpoint placements {placements} also shard (axis {axis_name(mesh, axis)} of "
                     f"{describe_mesh(mesh)}); the parameter's own shards must lie on a replicated checkpoint axis"
@@ -105,12 +107,12 @@ def _is_optimizer_state_dict(value: dict) -> bool:
 def _checked_placements(mesh: DeviceMesh, placements: Sequence[Placement], name: str) -> list[Placement]:
     placements = list(placements)
     if len(placements) != mesh.ndim:
-        raise ValueError(f"{name}: {len(placements)} checkpoint placements for the {mesh.ndim}-D mesh {describe_mesh(mesh)}")
+        raise InvalidRequestError(f"{name}: {len(placements)} checkpoint placements for the {mesh.ndim}-D mesh {describe_mesh(mesh)}")
     bad = [p for p in placements if type(p) not in (Shard, Replicate)]
     if bad:
-        raise ValueError(f"{name}: checkpoint placements must be Shard or Replicate, got {bad}")
+        raise InvalidRequestError(f"{name}: checkpoint placements must be Shard or Replicate, got {bad}")
     if mesh.get_coordinate() is None:
-        raise ValueError(f"{name}: rank {dist.get_rank()} is not part of the checkpoint mesh {describe_mesh(mesh)}")
+        raise InvalidRequestError(f"{name}: rank {dist.get_rank()} is not part of the checkpoint mesh {describe_mesh(mesh)}")
     return placements
 
 
@@ -123,9 +125,9 @@ def _own_shards(param: torch.Tensor, name: str) -> dict[int, tuple[int, ...]]:
         if p.is_replicate() or param.device_mesh.size(dim) == 1:
             continue
         if type(p) is not Shard:
-            raise ValueError(f"{name}: parameter placement {p} on its mesh dim {dim} is not supported (Shard or Replicate only)")
+            raise InvalidRequestError(f"{name}: parameter placement {p} on its mesh dim {dim} is not supported (Shard or Replicate only)")
         if p.dim in shards:
-            raise ValueError(f"{name}: the parameter shards tensor dim {p.dim} over two mesh dims; not supported")
+            raise InvalidRequestError(f"{name}: the parameter shards tensor dim {p.dim} over two mesh dims; not supported")
         shards[p.dim] = _group(param.device_mesh, dim)
     return shards
 
@@ -136,7 +138,7 @@ def _axis_over(mesh: DeviceMesh, ranks: tuple[int, ...], name: str) -> int:
     if ranks in groups:
         return groups.index(ranks)
     axes = ", ".join(f"{axis_name(mesh, a)}={list(g)}" for a, g in enumerate(groups))
-    raise ValueError(
+    raise InvalidRequestError(
         f"{name}: the parameter is sharded over ranks {list(ranks)} (its FSDP mesh), but no axis of the "
         f"checkpoint mesh {describe_mesh(mesh)} spans exactly these ranks in this order (this rank's axes: {axes}); "
         "build the checkpoint mesh so that one axis is the FSDP group"
@@ -155,7 +157,7 @@ def _check_local_shape(
 ) -> None:
     expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(expected) != tuple(local.shape):
-        raise ValueError(
+        raise InvalidRequestError(
             f"{name}: local shard {tuple(local.shape)} does not match {tuple(expected)}, its share of the "
             f"global {tuple(shape)} under {placements} on {describe_mesh(mesh)}"
         )

@@ -12,11 +12,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
 
-from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError, UnsafeCheckpointError
 from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.planning.dedup import chunk_view
-from dcp_ext.planning.global_plan import GlobalPlan, check_replicas, plan_globally
-from dcp_ext.planning.local_plan import ShardGlobalPlan, ShardLocalPlan, assigned_items
+from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
+from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
 from dcp_ext.planning.locality import canonical_index, tp_coordinate
 from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
 from dcp_ext.planning.plan_cache import cached_plan, remember_plan
@@ -31,8 +31,10 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
     once. ``placement_fn``/``mesh``/``check_replicas``: see PlacementSaveMixin.
 
     ``replica_locality=True``: tensors replicated across the tensor-parallel mesh dim
-    ``tp_dim`` are also written once per TP rank, into that rank's own file, so each rank
-    later loads them from its own file (``dcp_ext.planning.locality``).
+    ``tp_dim`` (default ``"tp"``) are also written once per TP rank, into that rank's own
+    file, so each rank later loads them from its own file (``dcp_ext.planning.locality``).
+    A state dict with no DTensor on a mesh with that dim name is an error, as is
+    ``tp_dim`` without ``replica_locality``: neither could take effect.
 
     ``cache_plans=True``: the coordinator reuses the global plan of an earlier save whose
     every local plan was identical (``dcp_ext.planning.plan_cache``); DCP's
@@ -46,14 +48,16 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         self,
         *args: Any,
         replica_locality: bool = False,
-        tp_dim: str = "tp",
+        tp_dim: str | None = None,
         cache_plans: bool = True,
         **kwargs: Any,
     ) -> None:
+        if tp_dim is not None and not replica_locality:
+            raise InvalidRequestError("ShardSavePlanner: tp_dim only applies with replica_locality=True")
         cache_plans = kwargs.pop("enable_plan_caching", False) or cache_plans
         super().__init__(*args, **kwargs)
         self.replica_locality = replica_locality
-        self.tp_dim = tp_dim
+        self.tp_dim = tp_dim or "tp"
         self.cache_plans = cache_plans
         self.last_global_plan: GlobalPlan | None = None
         self.plan_reused = False
@@ -83,12 +87,19 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         elif digests is not None:
             check_replicas(result.structure, digests, self._placements.mesh)
         self.last_global_plan = result
-        self.global_plan = [ShardGlobalPlan(items=[], assignment=a) for a in result.assignments]
+        self.global_plan = [SavePlan(items=[], planner_data=a) for a in result.assignments]
         self.metadata = dataclasses.replace(result.metadata)  # the writer fills in storage data
         return self.global_plan, self.metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = SavePlan(assigned_items(self._local_items, new_plan.assignment), storage_data=new_plan.storage_data)
+        assignment = new_plan.planner_data
+        if not isinstance(assignment, RankAssignment):
+            raise InvalidRequestError(
+                "ShardSavePlanner: the plan this rank received carries no assignment in planner_data "
+                f"(found {type(assignment).__name__}); the storage writer's prepare_global_plan must keep "
+                "each plan's planner_data, e.g. dataclasses.replace(plan, storage_data=...)"
+            )
+        self.plan = SavePlan(assigned_items(self._local_items, assignment), storage_data=new_plan.storage_data)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 
+from dcp_ext.errors import CheckpointError
 from dcp_ext.planning.placements import axis_name, describe_mesh
 
 SAMPLES = 1024
@@ -27,7 +28,7 @@ SAMPLES = 1024
 ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
 
 
-class ReplicaMismatchError(ValueError):
+class ReplicaMismatchError(CheckpointError, ValueError):
     """Ranks declare the same key and offsets with different data; DCP would keep one silently."""
 
 

@@ -115,11 +115,20 @@ class Location:
 
     # -- reading -----------------------------------------------------------------------
     def read_bytes(self, name: str) -> bytes:
+        """The whole file; FileNotFoundError when it is missing, CheckpointError when it
+        cannot be a checkpoint file (the root is a file, the name a directory, no access)."""
         full = self.path(name)
-        if self.fs is None:
-            with open(full, "rb") as f:
-                return f.read()
-        return bytes(self.fs.cat_file(full))
+        try:
+            if self.fs is None:
+                with open(full, "rb") as f:
+                    return f.read()
+            return bytes(self.fs.cat_file(full))
+        except NotADirectoryError:
+            raise CheckpointError(f"{self.url}: is a file, not a checkpoint directory") from None
+        except IsADirectoryError:
+            raise CheckpointError(f"{self.url}: {name} is a directory, expected a file") from None
+        except PermissionError as exc:
+            raise CheckpointError(f"{self.url}: cannot read {name} ({exc.strerror})") from None
 
     @contextlib.contextmanager
     def open_reader(self, name: str, key: str = "") -> Iterator[RangeReader]:

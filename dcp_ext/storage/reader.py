@@ -114,11 +114,13 @@ class ShardReader(StorageReader):
         self.catalog: Catalog | None = None
         self.rank = 0
         self.is_coordinator = False
+        self.load_id = uuid.uuid4().hex  # as stock readers: one per load, in read_metadata's storage_meta
 
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.location = Location(checkpoint_id, self.storage_options)
+        self.load_id = uuid.uuid4().hex
         self.catalog = None
         self.source = None
 
@@ -134,7 +136,7 @@ class ShardReader(StorageReader):
     def _open_metadata(self) -> Metadata:
         self.source = open_source(self.location, self.megatron, self.cache_metadata)
         if self.source is not None:
-            return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=uuid.uuid4().hex))
+            return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=self.load_id))
         if self.cache_metadata:
             self.catalog, was_read = METADATA_CACHE.open(self.location)
         else:
@@ -143,7 +145,7 @@ class ShardReader(StorageReader):
         self._check_committed(self.catalog)
         self.catalog = torch_dist_view(self.location, self.catalog, self.megatron)
         metadata = self.catalog.metadata
-        storage_meta = dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=uuid.uuid4().hex)
+        storage_meta = dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=self.load_id)
         return dataclasses.replace(metadata, storage_meta=storage_meta)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -128,7 +128,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         self.location.makedirs()
         if not self.overwrite and self.location.exists(METADATA_NAME):
             raise CheckpointExistsError(
-                f"{self.location.url}: already holds a checkpoint ({METADATA_NAME} exists) and overwrite=False"
+                f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
             )
         return plan
 
