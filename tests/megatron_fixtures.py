@@ -94,10 +94,57 @@ def make_args(tp: int, pp: int, ep: int, num_layers: int, moe: bool) -> argparse
     )
 
 
+# mcore name -> pre-mcore name (megatron/legacy/model: ParallelTransformer, ParallelMLP)
+PRE_MCORE_NAMES = (
+    (r"^embedding\.", "language_model.embedding."),
+    (r"^decoder\.final_layernorm\.", "language_model.encoder.final_norm."),
+    (r"^output_layer\.", "language_model.output_layer."),
+    (r"^decoder\.layers\.", "language_model.encoder.layers."),
+    (r"self_attention\.linear_qkv\.layer_norm_weight$", "input_norm.weight"),
+    (r"self_attention\.linear_qkv\.", "self_attention.query_key_value."),
+    (r"self_attention\.linear_proj\.", "self_attention.dense."),
+    (r"pre_mlp_layernorm\.", "post_attention_norm."),
+    (r"mlp\.linear_fc1\.", "mlp.dense_h_to_4h."),
+    (r"mlp\.linear_fc2\.", "mlp.dense_4h_to_h."),
+)
+
+
+def pre_mcore_name(name: str) -> str:
+    for pattern, replacement in PRE_MCORE_NAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def pre_mcore_model(params: dict[str, object]) -> dict[str, object]:
+    """Pre-mcore nesting: model["language_model"][section][...] with the encoder's layers flat.
+
+    Megatron-LM's legacy model code is not part of megatron-core (the library whose real
+    outputs the other fixtures are), so this layout is written here from its
+    ``state_dict_for_save_checkpoint`` structure.
+    """
+    nested: dict[str, dict] = {}
+    for name, value in params.items():
+        _, section, rest = pre_mcore_name(name).split(".", 2)
+        if section == "encoder":
+            nested.setdefault(section, {})[rest] = value
+        else:  # embedding.word_embeddings.weight -> {"word_embeddings": {"weight": ...}}
+            node = nested.setdefault(section, {})
+            *parents, leaf = rest.split(".")
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[leaf] = value
+    return {"language_model": nested}
+
+
 def write_legacy(
-    root: str, tp: int, pp: int, ep: int = 1, num_layers: int = 4, moe: bool = False, iteration: int | str = 20
+    root: str, tp: int, pp: int, ep: int = 1, num_layers: int = 4, moe: bool = False, iteration: int | str = 20,
+    pre_mcore: bool = False, extra_state: object = None,
 ) -> dict[str, torch.Tensor]:
-    """Write a legacy checkpoint; return the global tensors it holds (global names)."""
+    """Write a legacy checkpoint; return the global tensors it holds (global names).
+
+    ``pre_mcore``: the nested pre-mcore layout and names; ``extra_state``: the value stored
+    as each attention's ``_extra_state`` (Transformer Engine writes io.BytesIO; empty ones too).
+    """
     model = global_model(num_layers, moe)
     args = make_args(tp, pp, ep, num_layers, moe)
     per_stage, per_ep = num_layers // pp, N_EXPERTS // ep
@@ -118,7 +165,8 @@ def write_legacy(
                     local = _local_name(name, p * per_stage, e * per_ep)
                     params[local] = tp_shard(name, full, dim, tp, t, swiglu=True)
                     if name.endswith("linear_proj.weight"):  # TE extra state rides along in real files
-                        params[local.replace("linear_proj.weight", "core_attention._extra_state")] = io.BytesIO(b"te")
+                        extra = io.BytesIO(b"te") if extra_state is None else extra_state
+                        params[local.replace("linear_proj.weight", "core_attention._extra_state")] = extra
                 directory = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
                 path = os.path.join(root, iter_dir, directory)
                 os.makedirs(path, exist_ok=True)
@@ -127,7 +175,7 @@ def write_legacy(
                         "args": args,
                         "checkpoint_version": 3.0,
                         "iteration": 0 if iteration == "release" else int(iteration),
-                        "model": params,
+                        "model": pre_mcore_model(params) if pre_mcore else params,
                         "optimizer": {"param_groups": [{"lr": 1e-4}], "state": {}},
                         "opt_param_scheduler": {"num_steps": 64},
                         "rng_state": [{
@@ -141,7 +189,7 @@ def write_legacy(
                 )
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
-    return {name: full for name, (full, _) in model.items()}
+    return {pre_mcore_name(name) if pre_mcore else name: full for name, (full, _) in model.items()}
 
 
 # -- torch_dist ---------------------------------------------------------------------------

@@ -329,7 +329,7 @@ def failure_job(rank: int, world: int, base: str, executor: AsyncCheckpointerTyp
     # 2. a failure nobody asked .result() for: overwrite=False refusing the directory
     refusing = ShardWriter(path, overwrite=False)
     _start(sd, refusing, executor=executor)
-    _raises_previous_failure(sd, refusing, path, executor, "already holds a checkpoint")
+    _raises_previous_failure(sd, refusing, path, executor, "Checkpoint already exists")
     dist.barrier()
     _load(path, mesh, 1, f"{where} previous checkpoint after a refused async save")
 

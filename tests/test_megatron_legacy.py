@@ -140,3 +140,23 @@ def test_cached_source_loads_each_file_once(tmp_path, monkeypatch):
         dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner())
         assert_tensor_equal(state[QKV0], want[QKV0])
     assert len(calls) == 2  # two rank files, each loaded once across both loads
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)])
+def test_pre_mcore_nested_layout_loads_with_its_natural_keys(tmp_path, tp, pp):
+    want = write_legacy(str(tmp_path), tp=tp, pp=pp, num_layers=4, pre_mcore=True)
+    assert "language_model.encoder.layers.3.mlp.dense_h_to_4h.weight" in want  # SwiGLU halves, TP dim 0
+    assert "language_model.embedding.word_embeddings.weight" in want
+    _, reader = load_full(tmp_path, want)
+    assert set(reader.source.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+
+
+def test_model_without_parameter_tensors_is_an_error_not_an_empty_checkpoint(tmp_path):
+    write_legacy(str(tmp_path), tp=1, pp=1, num_layers=1)
+    path = rank_file(tmp_path, "iter_0000020", "mp_rank_00")
+    state = torch.load(path, weights_only=False)
+    state["model"] = {"language_model": {"encoder": {"note": "no tensors"}}}
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00/model_optim_rng.pt: no parameter tensors.*language_model\.encoder\.note"):
+        ShardReader(tmp_path).read_metadata()
+

@@ -6,6 +6,9 @@ parameter becomes one DCP chunk (two for a SwiGLU ``linear_fc1``: its W and V ha
 land in different places of the global tensor), so a rank that loads part of a tensor
 touches only the files that hold that part. Layer numbers are made global across
 pipeline stages (and virtual stages ``model0..``), expert numbers across EP ranks.
+Pre-mcore files nest the model (``model["language_model"]["encoder"][...]``); nested
+entries are named by their path, e.g. ``language_model.encoder.layers.0.
+self_attention.query_key_value.weight``.
 """
 
 from __future__ import annotations
@@ -77,8 +80,15 @@ class LegacySource(MegatronSource):
             if path not in self._loaded:
                 self._loaded[path] = self._load(path)
         self.common = {k: v for k, v in self._loaded[self.files[(0, 0, 0)]].items() if not _is_model_or_optimizer(k)}
+        self.models = {path: _models(state) for path, state in self._loaded.items()}
         self.pieces: dict[MetadataIndex, Piece] = {}
         tensors = {name: self._plan_tensor(name, shards) for name, shards in self._collect().items()}
+        if not tensors:
+            first_models = {key: sorted(params)[:8] for key, _, params in self.models[first]}
+            raise CheckpointError(
+                f"{self.url}/{first}: no parameter tensors in the model entries (found {first_models}); "
+                "not a Megatron model checkpoint this reader understands"
+            )
         self.metadata = build_metadata(tensors, [k for k in BYTES_KEYS if k in self.common])
 
     # -- MegatronSource ------------------------------------------------------------------
@@ -97,7 +107,7 @@ class LegacySource(MegatronSource):
         self, index: MetadataIndex, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor
     ) -> ChunkRead:
         piece = self.pieces[index]
-        source = self._loaded[piece.file][piece.model][piece.key]
+        source = next(params for entry, _, params in self.models[piece.file] if entry == piece.model)[piece.key]
         for dim, (start, n) in enumerate(zip(piece.local_offsets, lengths)):
             source = source.narrow(dim, start + offsets[dim], n)
         dest.copy_(source)
@@ -119,7 +129,7 @@ class LegacySource(MegatronSource):
         offsets = self._layer_offsets()
         found: dict[str, dict[int, Shard]] = defaultdict(dict)
         for (tp, pp, ep), path in self.files.items():
-            for model, stage_v, params in _models(self._loaded[path]):
+            for model, stage_v, params in self.models[path]:
                 experts = _local_expert_count(self.args, self.sizes.ep, params)
                 for key, value in params.items():
                     if not isinstance(value, torch.Tensor) or key.endswith("_extra_state"):
@@ -134,7 +144,7 @@ class LegacySource(MegatronSource):
         """Per layer stack (``decoder.layers.``...): first global layer of each (virtual, PP) stage."""
         counts: dict[str, dict[tuple[int, int], int]] = defaultdict(dict)
         for pp in range(self.sizes.pp):
-            for _, stage_v, params in _models(self._loaded[self.files[(0, pp, 0)]]):
+            for _, stage_v, params in self.models[self.files[(0, pp, 0)]]:
                 for key in params:
                     match = _LAYER.match(key)
                     if match:
@@ -192,13 +202,24 @@ def _is_model_or_optimizer(key: str) -> bool:
 
 
 def _models(state: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
-    """(entry, virtual stage, parameters) for ``model`` or ``model0``, ``model1``..."""
+    """(entry, virtual stage, parameters by dotted name) for ``model`` or ``model0``, ``model1``..."""
     out = []
     for key, value in state.items():
         match = _MODEL_KEY.match(key)
         if match and isinstance(value, dict):
-            out.append((key, int(match[1] or 0), value))
+            out.append((key, int(match[1] or 0), _flatten(value)))
     return out
+
+
+def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts (pre-mcore ``language_model`` / ``embedding`` / ``encoder``) as dotted names."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _local_expert_count(args: Any, ep_size: int, params: dict[str, Any]) -> int:

@@ -17,14 +17,17 @@ DEFAULT_RULES: tuple[tuple[str, int | None], ...] = (
     (r"\.layer_norm_(weight|bias)$", None),  # norms fused into linear_qkv / linear_fc1 (TE)
     (r"norm[^.]*\.(weight|bias)$", None),  # input_layernorm, pre_mlp_layernorm, final_layernorm, q/k norms
     (r"\.linear_(proj|fc2)\.bias$", None),  # row-parallel biases are added after the all-reduce
+    (r"\.(self_attention\.dense|dense_4h_to_h)\.bias$", None),  # the same, pre-mcore names
     (r"\.router\.(weight|bias|expert_bias)$", None),
     (r"(^|\.)position_embeddings\.weight$", None),
     (r"\.linear_(qkv|fc1)\.(weight|bias)$", 0),
     (r"(^|\.)word_embeddings\.weight$", 0),
     (r"(^|\.)output_layer\.(weight|bias)$", 0),
     (r"\.linear_(proj|fc2)\.weight$", 1),
+    (r"\.(query_key_value|dense_h_to_4h)\.(weight|bias)$", 0),  # pre-mcore column-parallel
+    (r"\.(self_attention\.dense|dense_4h_to_h)\.weight$", 1),  # pre-mcore row-parallel
 )
-SWIGLU_RULE = r"\.linear_fc1\.(weight|bias)$"
+SWIGLU_RULE = r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$"
 
 
 def partition_dim(name: str, overrides: Mapping[str, int | None], where: str) -> int | None:
