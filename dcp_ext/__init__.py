@@ -8,6 +8,7 @@ from dcp_ext.errors import (
     InvalidRequestError,
     UnsafeCheckpointError,
 )
+from dcp_ext.conversion.hf_export import export_safetensors
 from dcp_ext.observe import LoadReport, SaveReport, add_report_callback, remove_report_callback
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict, with_checkpoint_placements
 from dcp_ext.planning.planners import ShardLoadPlanner, ShardSavePlanner
@@ -35,6 +36,7 @@ __all__ = [
     "add_report_callback",
     "checkpoint_state_dict",
     "clear_metadata_cache",
+    "export_safetensors",
     "remove_report_callback",
     "with_checkpoint_placements",
 ]

@@ -1,10 +1,15 @@
-"""``dcp-ext convert SRC DST``: any readable checkpoint (DCP, Megatron torch_dist/zarr/legacy) to ours."""
+"""``dcp-ext convert SRC DST [--to dcp|hf]``: any readable checkpoint (DCP, Megatron
+torch_dist/zarr/legacy) to ours, or to Hugging Face safetensors shards."""
 
 from __future__ import annotations
 
 import argparse
+import re
+
+import torch
 
 from dcp_ext.cli.progress import ProgressBar
+from dcp_ext.conversion.hf_export import export_safetensors
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.convert import convert
@@ -13,7 +18,10 @@ from dcp_ext.megatron.convert import convert
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="source checkpoint directory or URL")
     parser.add_argument("dst", help="destination directory or URL")
-    parser.add_argument("--format", choices=["dcp"], default="dcp", help="destination format (default: dcp)")
+    parser.add_argument(
+        "--to", "--format", dest="to", choices=["dcp", "hf"], default="dcp",
+        help="destination format: dcp (ours, default) or hf (safetensors shards + model.safetensors.index.json)",
+    )
     parser.add_argument("--iteration", help="legacy Megatron: iteration number or 'release'")
     parser.add_argument(
         "--partition-dim", action="append", default=[], metavar="REGEX=DIM",
@@ -21,6 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--allow-incomplete", action="store_true", help="accept a save without metadata.json")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+    hf = parser.add_argument_group("--to hf only")
+    hf.add_argument("--max-shard-size", metavar="SIZE", help="largest shard, e.g. 5GB (default), 500MB, 2GiB")
+    hf.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
+    hf.add_argument("--include", metavar="REGEX", help="export only keys this regex matches")
+    hf.add_argument("--exclude", metavar="REGEX", help="skip keys this regex matches")
+
+
+_HF_ONLY = ("max_shard_size", "dtype", "include", "exclude")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
 def options_from(args: argparse.Namespace) -> MegatronOptions:
@@ -42,9 +60,40 @@ def _is_int(text: str) -> bool:
     return text.lstrip("-").isdigit()
 
 
+def parse_size(text: str) -> int:
+    """``5GB`` (decimal, as Hugging Face), ``2GiB``, or plain bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if match is None or match[2] not in _UNITS or float(match[1]) <= 0:
+        raise InvalidRequestError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidRequestError(f"--dtype {name!r} is not a floating-point torch dtype (e.g. bfloat16, float16)")
+    return dtype
+
+
 def main(args: argparse.Namespace) -> int:
+    options = options_from(args)
+    if args.to == "dcp":
+        given = [f"--{name.replace('_', '-')}" for name in _HF_ONLY if getattr(args, name) is not None]
+        if given:
+            raise InvalidRequestError(f"{', '.join(given)} only apply with --to hf")
     bar = ProgressBar("converting")
-    report = convert(args.src, args.dst, options=options_from(args), progress=bar, overwrite=args.overwrite)
+    if args.to == "hf":
+        report = export_safetensors(
+            args.src, args.dst, max_shard_bytes=parse_size(args.max_shard_size or "5GB"),
+            dtype=parse_dtype(args.dtype) if args.dtype else None, include=args.include, exclude=args.exclude,
+            overwrite=args.overwrite, megatron=options, progress=bar,
+        )
+        bar.close()
+        print(f"exported {report.keys} tensors ({report.bytes} bytes) in {len(report.files)} safetensors files to {args.dst}")
+        if report.skipped:
+            print(f"skipped {len(report.skipped)} non-tensor items: {', '.join(report.skipped)}")
+        return 0
+    report = convert(args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite)
     bar.close()
     print(f"converted {report.keys} keys ({report.bytes} tensor bytes) from {args.src} to {args.dst}")
     return 0

@@ -1,0 +1,1 @@
+"""Whole-checkpoint conversions between formats (streaming, one tensor batch at a time)."""

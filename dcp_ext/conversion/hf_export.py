@@ -1,0 +1,175 @@
+"""Export any checkpoint ShardReader opens as Hugging Face safetensors shards.
+
+Output: ``model-0000k-of-0000n.safetensors`` files plus ``model.safetensors.index.json``
+(``weight_map``, ``metadata.total_size``), as ``save_pretrained`` writes them. Keys keep
+their checkpoint names; non-tensor items are skipped and reported.
+
+Streaming: every shard's header is known from the metadata alone, so it is written
+first, then tensors are loaded in batches of about ``BATCH_BYTES`` (a larger tensor
+alone) and appended; peak memory is about the largest tensor plus one batch. Everything
+is written into a temporary directory beside ``dst`` and renamed into place, so a
+crashed export never leaves something that looks like a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dcp_ext.errors import InvalidRequestError
+from dcp_ext.formats.safetensors_format import encode_header
+from dcp_ext.formats.torch_record import numel
+from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.storage.location import Location
+from dcp_ext.storage.reader import ShardReader
+
+INDEX_NAME = "model.safetensors.index.json"
+BATCH_BYTES = 256 << 20
+
+
+@dataclass
+class ExportReport:
+    files: list[str] = field(default_factory=list)
+    keys: int = 0
+    bytes: int = 0
+    skipped: list[str] = field(default_factory=list)  # non-tensor items, not exported
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    key: str
+    source_dtype: torch.dtype
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * self.dtype.itemsize
+
+
+def export_safetensors(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = 5_000_000_000,
+    dtype: torch.dtype | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    overwrite: bool = False,
+    megatron: MegatronOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ExportReport:
+    """Write the tensors of ``src`` as safetensors shards into the local directory ``dst``.
+
+    ``dtype`` casts floating-point tensors (others keep theirs); ``include`` / ``exclude``
+    are regular expressions searched in each key; ``max_shard_bytes`` bounds a shard
+    (a larger tensor gets a shard of its own). ``dst`` must not exist unless
+    ``overwrite=True``.
+    """
+    if max_shard_bytes < 1:
+        raise InvalidRequestError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise InvalidRequestError(f"dtype={dtype}: export casts floating-point tensors, so it must be a float dtype")
+    target = _target_dir(dst, overwrite)
+    reader = ShardReader(src, megatron=megatron, storage_options=storage_options)
+    tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude)
+    if not tensors:
+        raise InvalidRequestError(f"{reader.location.url}: no tensors to export (include={include!r}, exclude={exclude!r})")
+    shards = _pack(tensors, max_shard_bytes)
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    staging = Location(f"{target}.tmp-{uuid.uuid4().hex[:8]}")
+    staging.makedirs()
+    try:
+        total, done = sum(t.nbytes for t in tensors), 0
+        for name, shard in zip(names, shards):
+            for nbytes in _write_shard(reader, staging, name, shard):
+                done += nbytes
+                if progress is not None:
+                    progress(done, total)
+        index = {"metadata": {"total_size": total}, "weight_map": {t.key: n for n, s in zip(names, shards) for t in s}}
+        staging.write_bytes(INDEX_NAME, json.dumps(index, indent=2).encode(), sync=True)
+        _publish(staging.root, target)
+    except BaseException:
+        shutil.rmtree(staging.root, ignore_errors=True)
+        raise
+    report.files, report.keys, report.bytes = names, len(tensors), total
+    return report
+
+
+def _target_dir(dst: str | os.PathLike[str], overwrite: bool) -> str:
+    location = Location(dst)
+    if not location.is_local:
+        raise InvalidRequestError(f"{location.url}: safetensors export writes to a local directory, not a URL")
+    target = os.path.abspath(location.root)
+    if os.path.exists(target) and not (overwrite and os.path.isdir(target)):
+        what = "a file" if os.path.isfile(target) else "an existing directory"
+        raise InvalidRequestError(f"{target}: is {what}; export into a new directory" + ("" if overwrite else " (or pass overwrite)"))
+    return target
+
+
+def _select(
+    entries: dict[str, Any], dtype: torch.dtype | None, include: str | None, exclude: str | None
+) -> tuple[list[_Tensor], ExportReport]:
+    report = ExportReport()
+    chosen = []
+    for key, md in entries.items():
+        if (include and not re.search(include, key)) or (exclude and re.search(exclude, key)):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            report.skipped.append(key)
+            continue
+        source = md.properties.dtype
+        chosen.append(_Tensor(key, source, dtype if dtype is not None and source.is_floating_point else source, tuple(md.size)))
+    return chosen, report
+
+
+def _pack(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
+    """Consecutive tensors in groups of at most ``max_bytes`` (a larger tensor alone), as
+    ``save_pretrained`` packs shards; also the export's load batches."""
+    groups: list[list[_Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if groups[-1] and size + tensor.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    return groups
+
+
+def _write_shard(reader: ShardReader, directory: Location, name: str, shard: list[_Tensor]) -> Iterator[int]:
+    """Write one shard file, yielding the tensor bytes written after each batch."""
+    prefix, _ = encode_header({t.key: (t.dtype, t.shape) for t in shard}, {"format": "pt"})
+    with directory.create(name, sync=True) as f:
+        f.write(prefix)
+        for batch in _pack(shard, BATCH_BYTES):
+            state = {t.key: torch.empty(t.shape, dtype=t.source_dtype) for t in batch}
+            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+            for tensor in batch:
+                data = state.pop(tensor.key).to(tensor.dtype).contiguous()
+                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            yield sum(t.nbytes for t in batch)
+
+
+def _publish(staging: str, target: str) -> None:
+    """Rename the finished export into place (an old one, with overwrite, is moved aside first)."""
+    retired = None
+    if os.path.exists(target):
+        retired = f"{target}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, retired)
+    os.rename(staging, target)
+    Location(os.path.dirname(target)).sync_directory()
+    if retired is not None:
+        shutil.rmtree(retired)
