@@ -15,7 +15,8 @@ from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.describe import describe_source
 from dcp_ext.megatron.detect import open_source
 from dcp_ext.megatron.torch_dist import torch_dist_view
-from dcp_ext.storage.catalog import Catalog, read_catalog
+from dcp_ext.storage.catalog import Catalog
+from dcp_ext.storage.catalog_formats import open_catalog
 from dcp_ext.storage.location import Location
 
 
@@ -35,7 +36,7 @@ def describe(path: str, stats: bool = False) -> dict[str, Any]:
     source = open_source(location, megatron, cached=False)
     if source is not None:  # Megatron zarr / legacy
         return describe_source(source)
-    catalog = torch_dist_view(location, read_catalog(location), megatron)
+    catalog = torch_dist_view(location, open_catalog(location, cached=False)[0], megatron)
     keys = []
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

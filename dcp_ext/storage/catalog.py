@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class Catalog:
     committed: bool  # False: our index vouches for .metadata but no commit marker does
     signature: tuple[Any, ...]  # of .metadata, index and marker when read (see catalog_signature)
     copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)  # TP-replica copies
+    format: str = "dcp"  # "safetensors": no checksums recorded (see safetensors_catalog)
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -214,19 +215,27 @@ class MetadataCache:
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 
-    def open(self, location: Location) -> tuple[Catalog, bool]:
-        """Return (catalog, whether metadata was actually read from storage)."""
+    def open(
+        self,
+        location: Location,
+        read: Callable[[Location], Catalog] = read_catalog,
+        signature: Callable[[Location], tuple[Any, ...]] = catalog_signature,
+    ) -> tuple[Catalog, bool]:
+        """Return (catalog, whether metadata was actually read from storage).
+
+        ``read`` / ``signature``: how this checkpoint's format is parsed and fingerprinted
+        (DCP by default; see ``catalog_formats``)."""
         key = location.cache_key()
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             catalog = None
             for _ in range(_SIGNATURE_RETRIES):
-                hit = self._lookup(key, catalog_signature(location))
+                hit = self._lookup(key, signature(location))
                 if hit is not None:
                     return hit, False
-                catalog = read_catalog(location)
-                if catalog_signature(location) == catalog.signature:  # not rewritten while we read
+                catalog = read(location)
+                if signature(location) == catalog.signature:  # not rewritten while we read
                     self._store(key, catalog.signature, catalog)
                     return catalog, True
             assert catalog is not None

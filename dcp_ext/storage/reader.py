@@ -26,7 +26,8 @@ from dcp_ext.megatron.detect import open_source
 from dcp_ext.megatron.reading import read_source_items
 from dcp_ext.megatron.torch_dist import torch_dist_view
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
-from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, catalog_signature, read_catalog
+from dcp_ext.storage.catalog import METADATA_NAME, Catalog
+from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request, bytes_request, tensor_requests
 
@@ -137,11 +138,13 @@ class ShardReader(StorageReader):
         self.source = open_source(self.location, self.megatron, self.cache_metadata)
         if self.source is not None:
             return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=self.load_id))
-        if self.cache_metadata:
-            self.catalog, was_read = METADATA_CACHE.open(self.location)
-        else:
-            self.catalog, was_read = read_catalog(self.location), True
+        self.catalog, was_read = open_catalog(self.location, self.cache_metadata)
         self.stats.metadata_reads += int(was_read)
+        if self.verify_checksums and not FORMATS[self.catalog.format].checksums:
+            raise CheckpointError(
+                f"{self.location.url}: verify_checksums=True, but a {self.catalog.format} checkpoint records no "
+                "checksums to verify against; load it with verify_checksums=False"
+            )
         self._check_committed(self.catalog)
         self.catalog = torch_dist_view(self.location, self.catalog, self.megatron)
         metadata = self.catalog.metadata
@@ -252,7 +255,7 @@ class ShardReader(StorageReader):
     def _missing(self, path: str, key: str) -> CheckpointError:
         """The error for a data file that is gone: a concurrent save retired it, or it was lost."""
         catalog = self._require_catalog()
-        if catalog_signature(self.location) != catalog.signature:
+        if FORMATS[catalog.format].signature(self.location) != catalog.signature:
             return CheckpointError(
                 f"{self._where(path, key)}: data file is gone because a newer save was committed into "
                 "this directory while the load ran; load again to get the new checkpoint"

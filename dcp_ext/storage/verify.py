@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
-from dcp_ext.storage.catalog import Catalog, read_catalog
+from dcp_ext.storage.catalog import Catalog
+from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.storage.commit import DATA_FILE
 from dcp_ext.storage.location import Location
 
@@ -70,7 +71,7 @@ def verify_checkpoint(
     location = Location(path, storage_options)
     report = VerifyReport(location.url)
     try:
-        catalog = read_catalog(location)
+        catalog, _ = open_catalog(location, cached=False)
     except CheckpointError as exc:
         report.faults.append(str(exc))
         return report
@@ -113,8 +114,9 @@ def verify_checkpoint(
                 report.bytes_checked += item.length
                 if progress:
                     progress(done, total)
+    recorded = FORMATS[catalog.format].checksums
     report.items_without_checksum = sum(
-        1 for index, item in catalog.items.items() if item.checksum is None and index.offset is None
+        1 for index, item in catalog.items.items() if item.checksum is None and (index.offset is None or not recorded)
     )
     return report
 
@@ -123,6 +125,8 @@ def _check_item(  # noqa: ANN001
     catalog: Catalog, location: Location, reader, index: MetadataIndex, item: StoredItem
 ) -> str | None:
     """Return a fault description, or None when the stored item's checksum matches."""
+    if not FORMATS[catalog.format].checksums:
+        return None  # safetensors records none: the structure and file sizes were checked
     if item.checksum is not None:
         value = _stream_crc(reader, item.offset, item.length, crc32c.crc32c)
         expected, algorithm = item.checksum, "crc32c"

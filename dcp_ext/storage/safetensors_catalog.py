@@ -1,0 +1,143 @@
+"""Hugging Face safetensors checkpoints as a Catalog, so they load through the DCP read path.
+
+A safetensors tensor is raw row-major bytes at known file offsets: exactly what a stored
+DCP chunk with a known payload offset is. So a directory of ``*.safetensors`` files (one
+file, ``save_pretrained`` shards with ``model.safetensors.index.json``, or stock
+``HuggingFaceStorageWriter`` output, whose ``__metadata__`` records each shard's DCP
+offsets) becomes a Catalog: one chunk per stored tensor, one StoredItem per chunk. Every
+load then reads only the byte ranges it needs, straight into the destination, with the
+same executors, two-stage exchange and reports as a DCP checkpoint. Only the file
+headers are read here (two small reads per file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.safetensors_format import TensorEntry, decode_header, header_length
+from dcp_ext.formats.validate import check_metadata
+from dcp_ext.storage.catalog import Catalog
+from dcp_ext.storage.location import Location
+
+SUFFIX = ".safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SHARDING_KEY = "DCP_SHARDING_INFO"  # stock HuggingFaceStorageWriter: {fqn: {"saved_offsets": [...]}}
+_FIRST_READ = 64 << 10  # header bytes read at once; a longer header costs a second read
+
+
+def safetensors_files(location: Location) -> list[str]:
+    """The ``*.safetensors`` files of a directory without ``.metadata`` (empty: not safetensors)."""
+    try:
+        names = location.listdir()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    if ".metadata" in names:
+        return []
+    return sorted(n for n in names if n.endswith(SUFFIX))
+
+
+def safetensors_signature(location: Location) -> tuple[Any, ...]:
+    """Changes when any file of the checkpoint (or the index) is rewritten."""
+    names = [*safetensors_files(location), INDEX_NAME]
+    return tuple((name, location.signature(name)) for name in names)
+
+
+def read_safetensors_catalog(location: Location) -> Catalog:
+    """Parse every file's header (and the index, when there is one) into a Catalog."""
+    signature = safetensors_signature(location)
+    files = safetensors_files(location)
+    if not files:
+        raise CheckpointError(f"{location.url}: no {SUFFIX} files here")
+    chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...], str]]] = defaultdict(list)
+    for name in files:
+        entries, metadata = _read_header(location, name)
+        offsets = _sharding_offsets(metadata, entries, f"{location.url}/{name}")
+        for key, entry in entries.items():
+            chunks[key].append((entry, offsets.get(key, (0,) * len(entry.shape)), name))
+    _check_index(location, chunks)
+    state_dict_metadata: dict[str, Any] = {}
+    items: dict[MetadataIndex, StoredItem] = {}
+    for key, pieces in chunks.items():
+        dtypes = {entry.dtype for entry, _, _ in pieces}
+        if len(dtypes) > 1:
+            raise CorruptCheckpointError(f"{location.url}: key {key!r} is stored with different dtypes {sorted(map(str, dtypes))}")
+        state_dict_metadata[key] = TensorStorageMetadata(
+            TensorProperties(dtype=pieces[0][0].dtype),
+            torch.Size(_global_size(pieces)),
+            [ChunkStorageMetadata(torch.Size(offsets), torch.Size(entry.shape)) for entry, offsets, _ in pieces],
+        )
+        for entry, offsets, name in pieces:
+            items[MetadataIndex(key, torch.Size(offsets))] = StoredItem(name, entry.begin, entry.nbytes, entry.begin)
+    metadata = Metadata(state_dict_metadata, storage_meta=StorageMeta())
+    check_metadata(metadata, items, location.url, {})
+    return Catalog(location.url, metadata, items, indexed=True, committed=True, signature=signature, format="safetensors")
+
+
+def _global_size(pieces: list[tuple[TensorEntry, tuple[int, ...], str]]) -> list[int]:
+    """The smallest shape holding every chunk (stock HuggingFaceStorageReader's rule)."""
+    ndim = len(pieces[0][0].shape)
+    return [max(offsets[d] + entry.shape[d] for entry, offsets, _ in pieces) for d in range(ndim)]
+
+
+def _read_header(location: Location, name: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    where = f"{location.url}/{name}"
+    size = location.size(name)
+    if size is None:
+        raise CorruptCheckpointError(f"{where}: file is missing")
+    with location.open_reader(name) as reader:
+        prefix = bytearray(min(size, _FIRST_READ))
+        reader.read_into(0, [memoryview(prefix)])
+        needed = 8 + header_length(bytes(prefix), size, where)
+        if needed > len(prefix):
+            rest = bytearray(needed - len(prefix))
+            reader.read_into(len(prefix), [memoryview(rest)])
+            prefix += rest
+    return decode_header(bytes(prefix), size, where)
+
+
+def _sharding_offsets(metadata: dict[str, str], entries: dict[str, TensorEntry], where: str) -> dict[str, tuple[int, ...]]:
+    """Per-key chunk offsets recorded by stock ``HuggingFaceStorageWriter`` (none: whole tensors)."""
+    raw = metadata.get(SHARDING_KEY)
+    if raw is None:
+        return {}
+    try:
+        info = json.loads(raw)
+        offsets = {key: tuple(int(o) for o in value["saved_offsets"]) for key, value in info.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: unreadable {SHARDING_KEY} in __metadata__ ({exc})") from None
+    for key, entry in entries.items():
+        found = offsets.get(key)
+        if found is None or len(found) != len(entry.shape) or min(found, default=0) < 0:
+            raise CorruptCheckpointError(f"{where} key {key!r}: {SHARDING_KEY} gives offsets {found}, shape is {list(entry.shape)}")
+    return offsets
+
+
+def _check_index(location: Location, chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...], str]]]) -> None:
+    """``model.safetensors.index.json``, when present, must name files that hold its keys."""
+    try:
+        raw = location.read_bytes(INDEX_NAME)
+    except FileNotFoundError:
+        return
+    where = f"{location.url}/{INDEX_NAME}"
+    try:
+        weight_map = json.loads(raw)["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object with a weight_map") from None
+    for key, name in weight_map.items():
+        if not any(file == name for _, _, file in chunks.get(key, ())):
+            raise CorruptCheckpointError(f"{where}: key {key!r} is mapped to {name!r}, which does not hold it")
