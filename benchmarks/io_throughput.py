@@ -262,11 +262,20 @@ def timed(group: Group, fn: Callable[[], object]) -> float:
 
 def proc_rchar() -> int:
     """Bytes this process has read through read syscalls (page-cache hits included)."""
+    return _proc_io("rchar")
+
+
+def proc_read_bytes() -> int:
+    """Bytes this process made the kernel fetch from storage (mmap page faults included)."""
+    return _proc_io("read_bytes")
+
+
+def _proc_io(field: str) -> int:
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("rchar:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/self/io")
+    raise RuntimeError(f"no {field} in /proc/self/io")
 
 
 def summary(seconds: list[float], nbytes: int) -> dict[str, Any]:
