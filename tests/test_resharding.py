@@ -145,3 +145,39 @@ def test_resharded_load_reads_only_needed_bytes(tmp_path):
         f"reading whole stored chunks would be {2 * needed}"
     )
     assert read >= needed, f"bytes_read {read} is below the {needed} bytes that were loaded: stats undercount"
+
+
+class PlanRecordingReader(ShardReader):
+    """Records how many read items the coordinator's global step and this rank's read see."""
+
+    gathered_items: int | None = None
+    read_items: int = 0
+
+    def prepare_global_plan(self, plans):
+        self.gathered_items = sum(len(p.items) for p in plans)
+        return super().prepare_global_plan(plans)
+
+    def read_data(self, plan, planner):
+        self.read_items = len(plan.items)
+        return super().read_data(plan, planner)
+
+
+def local_items_job(rank: int, world: int, path: str) -> tuple[int | None, int]:
+    mesh = init_device_mesh("cpu", (world,))
+    glob = make_globals()
+    placements = {name: pl[0] for name, (_, _, pl) in SPECS.items()}
+    sd = {name: distribute_tensor(glob[name].clone(), mesh, [placements[name]]) for name in SPECS}
+    dcp.save(sd, storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+    dest = {name: distribute_tensor(garbage_like(glob[name]), mesh, [Shard(0)], src_data_rank=None) for name in SPECS}
+    reader = PlanRecordingReader(path)
+    dcp.load(dest, storage_reader=reader, planner=ShardLoadPlanner())
+    for name in SPECS:
+        assert_tensor_equal(dest[name].to_local(), expected_local(glob[name], mesh, Shard(0)), f"rank {rank} {name}")
+    return reader.gathered_items, reader.read_items
+
+
+def test_read_items_stay_on_their_rank(tmp_path):
+    """The coordinator's global load step receives no read items; every rank reads its own."""
+    results = run_job(local_items_job, 2, str(tmp_path))
+    assert results[0][0] == 0 and results[1][0] is None  # only the coordinator runs the global step
+    assert all(read >= len(SPECS) for _, read in results), results
