@@ -6,6 +6,7 @@ from dcp_ext.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     InvalidRequestError,
+    StorageFullError,
     UnsafeCheckpointError,
 )
 from dcp_ext.conversion.hf_export import export_safetensors
@@ -32,6 +33,7 @@ __all__ = [
     "ShardReader",
     "ShardSavePlanner",
     "ShardWriter",
+    "StorageFullError",
     "UnsafeCheckpointError",
     "add_report_callback",
     "checkpoint_state_dict",

@@ -31,3 +31,21 @@ class InvalidRequestError(CheckpointError, ValueError):
     Also a ``ValueError``: DCP's own planners raise that for the same mistakes, and
     callers catch it.
     """
+
+
+class StorageFullError(CheckpointError):
+    """A save ran out of space (ENOSPC, EDQUOT); names the checkpoint, the file and the bytes
+    it needed. The failed save's files are removed; the previous checkpoint stays.
+
+    The ``OSError`` is its ``__cause__``, also on the other ranks: DCP pickles a failing
+    rank's exception to them, and plain pickling drops the cause.
+    """
+
+    def __reduce__(self) -> tuple:
+        return _with_cause, (type(self), self.args, self.__cause__)
+
+
+def _with_cause(cls: type[BaseException], args: tuple, cause: BaseException | None) -> BaseException:
+    error = cls(*args)
+    error.__cause__ = cause
+    return error

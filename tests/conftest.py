@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter, clear_metadata_cache
 
@@ -55,21 +55,22 @@ def save(state: dict, path, **writer_kwargs) -> None:
     dcp.save(state, storage_writer=ShardWriter(path, **writer_kwargs), planner=ShardSavePlanner())
 
 
-def load(like: dict, path, **reader_kwargs) -> tuple[dict, ShardReader]:
+def load(like: dict, path, planner: LoadPlanner | None = None, **reader_kwargs) -> tuple[dict, ShardReader]:
+    """Load into zeros like ``like`` through ShardReader (and ShardLoadPlanner unless given)."""
     out = zeros_like_state(like)
     reader = ShardReader(path, **reader_kwargs)
-    dcp.load(out, storage_reader=reader, planner=ShardLoadPlanner())
+    dcp.load(out, storage_reader=reader, planner=planner or ShardLoadPlanner())
     return out, reader
 
 
-def load_error(like: dict, path, **reader_kwargs) -> BaseException:
+def load_error(like: dict, path, planner: LoadPlanner | None = None, **reader_kwargs) -> BaseException:
     """Load expecting failure; return the exception the rank raised inside DCP.
 
     DCP wraps a rank's exception in CheckpointException (a BaseException) together with
     its traceback; tests assert on the original.
     """
     try:
-        load(like, path, **reader_kwargs)
+        load(like, path, planner, **reader_kwargs)
     except CheckpointException as exc:
         return next(iter(exc.failures.values()))[0]
     raise AssertionError(f"loading {path} unexpectedly succeeded")

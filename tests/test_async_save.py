@@ -40,8 +40,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_loc
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -374,6 +374,38 @@ def test_sharded_tensor_staging_is_reused(tmp_path):
 @pytest.mark.parametrize("job", [reuse_job, overlap_job, failure_job], ids=["reuse", "overlap", "failure"])
 def test_async_save_through_one_writer(tmp_path, job, executor):
     run_job(job, 2, str(tmp_path), executor)
+
+
+def explicit_stager_job(rank: int, world: int, base: str, async_staging: bool) -> None:
+    """Three overlapping async saves through one writer with DCP's own stager: each lands in
+    its own directory with its own values (the writer, not its stager role, serializes)."""
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"rank {rank} async_staging={async_staging}"
+    writer = ShardWriter(os.path.join(base, "default"))
+    stager = DefaultStager(StagingOptions(False, False, async_staging, False))
+    uploads = []
+    for seed in (1, 2, 3):
+        sd, _ = big_state(mesh, seed, destination=False)
+        planner = SlowPlanner(delay=1.0) if seed == 1 else ShardSavePlanner()  # the others start meanwhile
+        response = dcp.async_save(sd, storage_writer=writer, planner=planner, async_stager=stager,
+                                  checkpoint_id=os.path.join(base, f"s{seed}"))
+        if isinstance(response, AsyncSaveResponse):
+            response.staging_completion.result(timeout=60)
+            response = response.upload_completion
+        _clobber(sd)
+        uploads.append(response)
+    assert not uploads[0].done(), where  # they did overlap
+    for upload in uploads:
+        upload.result(timeout=60)
+    stager.close()
+    dist.barrier()
+    for seed in (1, 2, 3):
+        _load(os.path.join(base, f"s{seed}"), mesh, seed, f"{where} save {seed}", builder=big_state)
+
+
+@pytest.mark.parametrize("world, async_staging", [(1, False), (2, False), (2, True)], ids=["1-sync", "2-sync", "2-async"])
+def test_explicit_stager_saves_one_at_a_time(tmp_path, world, async_staging):
+    run_job(explicit_stager_job, world, str(tmp_path), async_staging, timeout=90)
 
 
 # -- without a process group ------------------------------------------------------------------

@@ -160,3 +160,12 @@ def test_model_without_parameter_tensors_is_an_error_not_an_empty_checkpoint(tmp
     with pytest.raises(CheckpointError, match=r"mp_rank_00/model_optim_rng.pt: no parameter tensors.*language_model\.encoder\.note"):
         ShardReader(tmp_path).read_metadata()
 
+
+@pytest.mark.parametrize("extra_state", ["empty BytesIO", "empty bytes"])
+def test_empty_extra_state_values_load(tmp_path, extra_state):
+    """Megatron stores empty io.BytesIO / b"" extra states; they must not make a file unreadable."""
+    import io
+
+    value = io.BytesIO() if extra_state == "empty BytesIO" else b""
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=2, extra_state=value)
+    load_full(tmp_path, want)

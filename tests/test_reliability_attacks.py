@@ -7,6 +7,7 @@ is no defence against an attacker), so they reach the index decoder and validati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -17,12 +18,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import load, load_error, local_save_plans, sample_state, save
+from megatron_fixtures import write_zarr
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_ext import CheckpointError, CorruptCheckpointError, ShardReader, UnsafeCheckpointError
+from dcp_ext import CheckpointError, CorruptCheckpointError, ShardLoadPlanner, ShardReader, UnsafeCheckpointError
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 
@@ -211,13 +215,76 @@ def test_hostile_tensor_record_in_a_stock_checkpoint_is_refused(tmp_path):
     assert not canary.exists()
 
 
-def test_hostile_bytes_item_runs_nothing(tmp_path):
-    """A bytes item's pickle is decoded by the load planner, with torch's weights_only."""
+class Settings:
+    """A harmless custom class nobody registered with add_safe_globals."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+
+PLANNERS = {"default": DefaultLoadPlanner, "shard": ShardLoadPlanner}
+
+
+def save_bytes_item(layout: str, obj, root) -> tuple[str, object]:
+    """A checkpoint holding ``obj`` as a bytes item; returns (path, its key)."""
+    path = root / "ckpt"
+    if layout == "ours":
+        save({"obj": obj}, path, checksums=False)
+    elif layout == "stock":
+        dcp.save({"obj": obj}, storage_writer=dcp.FileSystemWriter(path))
+    else:  # a Megatron zarr checkpoint's ShardedObject file
+        path.mkdir()
+        write_zarr(str(path))
+        torch.save(obj, path / "rng_state" / "shard_0_1.pt")
+        return path, "rng_state/shard_0_1"
+    return path, "obj"
+
+
+@contextlib.contextmanager
+def one_process_group(root):
+    """A one-rank gloo group, so ``two_stage=True`` takes the exchange path."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("planner", list(PLANNERS))
+@pytest.mark.parametrize("layout", ["ours", "stock", "zarr", "two-stage"])
+def test_hostile_bytes_item_runs_nothing(tmp_path, layout, planner):
+    """The reader checks every bytes item before any planner decodes it: DCP's default
+    planner would call ``torch.load(weights_only=False)`` on it."""
     canary = tmp_path / "canary"
-    save({"obj": Payload(os.system, f"touch {canary}")}, tmp_path / "ckpt", checksums=False)
-    error = load_error({"obj": None}, tmp_path / "ckpt")
-    assert isinstance(error, UnsafeCheckpointError) and "'obj'" in str(error) and "add_safe_globals" in str(error)
+    path, key = save_bytes_item("ours" if layout == "two-stage" else layout, Payload(os.system, f"touch {canary}"), tmp_path)
+    with one_process_group(tmp_path) if layout == "two-stage" else contextlib.nullcontext():
+        error = load_error({key: None}, path, PLANNERS[planner](), two_stage=layout == "two-stage")
+    assert isinstance(error, UnsafeCheckpointError), error
+    assert f"key {key!r}" in str(error) and "posix.system" in str(error) and "allow_unsafe_bytes=True" in str(error)
     assert not canary.exists()
+
+
+@pytest.mark.parametrize("planner", list(PLANNERS))
+def test_custom_class_bytes_item_is_refused_by_default(tmp_path, planner):
+    path, key = save_bytes_item("ours", Settings(0.5), tmp_path)
+    error = load_error({key: None}, path, PLANNERS[planner]())
+    assert isinstance(error, UnsafeCheckpointError) and "test_reliability_attacks.Settings" in str(error)
+    assert f"key {key!r}" in str(error) and ".distcp" in str(error)
+
+
+OPT_OUTS = {  # where the caller says it trusts the checkpoint: (planner, reader kwargs)
+    "reader": (DefaultLoadPlanner, {"allow_unsafe_bytes": True}),
+    "planner": (lambda: ShardLoadPlanner(allow_unsafe_bytes=True), {}),
+    "both": (lambda: ShardLoadPlanner(allow_unsafe_bytes=True), {"allow_unsafe_bytes": True}),
+}
+
+
+@pytest.mark.parametrize("opt_out", list(OPT_OUTS))
+def test_custom_class_bytes_item_loads_with_an_opt_out(tmp_path, opt_out):
+    make_planner, reader_kwargs = OPT_OUTS[opt_out]
+    path, key = save_bytes_item("ours", Settings(0.5), tmp_path)
+    out, _ = load({key: None}, path, make_planner(), **reader_kwargs)
+    assert type(out[key]) is Settings and out[key].lr == 0.5
 
 
 def test_non_tensor_item_never_replaces_a_tensor(tmp_path):

@@ -1,34 +1,52 @@
 """``torch.load`` for non-tensor checkpoint content, never a plain unpickle.
 
-Used for DCP bytes items (``ShardLoadPlanner.load_bytes``) and Megatron's ``common.pt`` /
-legacy ``model_optim_rng.pt``. Besides tensors and plain containers these hold an
-``argparse.Namespace``, numpy RNG state and Transformer Engine's ``io.BytesIO`` extra
-states, which ``weights_only=True`` refuses, so we allow exactly those classes (nothing
-that can run code). Anything else is reported with the source and the classes, instead of
-silently widening the allowlist.
+Used for DCP bytes items (``ShardReader`` checks every one before a planner sees it,
+``ShardLoadPlanner.load_bytes`` decodes them) and Megatron's ``common.pt`` / legacy
+``model_optim_rng.pt``. Besides tensors and plain containers these hold an
+``argparse.Namespace``, numpy arrays and scalars (RNG state, step counters), bytes and
+Transformer Engine's ``io.BytesIO`` extra states, which ``weights_only=True`` refuses, so
+we allow exactly those classes (nothing that can run code). Anything else is reported
+with the source and the refused globals, instead of silently widening the allowlist.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import io
 import os
 import pickle
-from typing import Any
+import pickletools
+import re
+import zipfile
+from collections.abc import Iterator
+from typing import IO, Any
 
 import numpy as np
 import torch
 
-from dcp_ext.errors import UnsafeCheckpointError
+from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+_MULTIARRAY = (getattr(np, "_core", None) or np.core).multiarray
+# every plain bool / int / uint / float / complex width, platform aliases included
+_PLAIN_DTYPE_CODES = "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]
 
 SAFE_GLOBALS: list[Any] = [
     argparse.Namespace,
     io.BytesIO,  # Transformer Engine ``_extra_state`` (plain bytes, no code)
+    bytes,  # ``b""`` pickles as ``bytes()`` (non-empty bytes use ``_codecs.encode``, allowed by torch)
     np.ndarray,
     np.dtype,
-    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,  # numpy RNG state arrays
-    *{type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.uint8)},
+    _MULTIARRAY._reconstruct,  # numpy arrays
+    _MULTIARRAY.scalar,  # numpy scalars: a dtype and its raw bytes
+    # dtype classes are checked when a dtype is built: object, string, void (structured) and
+    # datetime dtypes stay refused
+    *dict.fromkeys(type(np.dtype(code)) for code in _PLAIN_DTYPE_CODES),
 ]
+ALLOWED_TEXT = (
+    "only tensors, plain containers, bytes, argparse.Namespace, io.BytesIO and numpy arrays and "
+    "scalars of bool/int/uint/float/complex dtypes are allowed"
+)
 
 
 def safe_torch_load(source: str | os.PathLike[str] | bytes, where: str, mmap: bool = False) -> Any:
@@ -42,19 +60,100 @@ def safe_torch_load(source: str | os.PathLike[str] | bytes, where: str, mmap: bo
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(stream, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        if isinstance(stream, io.BytesIO):
-            stream.seek(0)
-        try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(stream)
-        except Exception:  # noqa: BLE001 - the listing is a hint only
-            unsafe = []
-        unsafe = [name for name in unsafe if not _allowed(name)]
-        detail = ", ".join(unsafe) or str(exc).strip().splitlines()[-1]
+        detail = ", ".join(refused_globals(source)) or _torch_reason(exc)
+        raise UnsafeCheckpointError(f"{where}: refuses to unpickle {detail} ({ALLOWED_TEXT})") from None
+    except (RuntimeError, EOFError, ValueError) as exc:  # torch.load's errors for bytes that are no record
+        raise CorruptCheckpointError(f"{where}: not a readable torch.save stream ({exc})") from None
+
+
+def safe_load_bytes(data: bytes, where: str, opt_out: str) -> Any:
+    """Decode a DCP bytes item with ``safe_torch_load``; a refusal says how to trust it
+    (``opt_out``: the switch of the caller, e.g. ``ShardReader(allow_unsafe_bytes=True)``)."""
+    try:
+        return safe_torch_load(data, where)
+    except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(
-            f"{where}: refuses to unpickle {detail} (only tensors, plain containers, "
-            "argparse.Namespace, io.BytesIO and numpy arrays are allowed)"
+            f"{exc}; register classes you trust with torch.serialization.add_safe_globals, "
+            f"or pass {opt_out} for a checkpoint you trust"
         ) from None
 
 
-def _allowed(name: str) -> bool:
-    return any(name.endswith(f".{getattr(g, '__name__', '')}") for g in SAFE_GLOBALS)
+def refused_globals(source: str | os.PathLike[str] | bytes) -> list[str]:
+    """The globals a ``torch.save`` file or raw pickle names that the loader does not allow,
+    found by reading its opcodes (nothing is imported or called). A hint for messages."""
+    allowed = _allowed_paths()
+    try:
+        found = [name for stream in _pickles(source) for name in _globals_in(stream)]
+    except (OSError, zipfile.BadZipFile):
+        return []
+    return list(dict.fromkeys(name for name in found if name not in allowed))
+
+
+def _pickles(source: str | os.PathLike[str] | bytes) -> Iterator[IO[bytes]]:
+    """The pickle streams of a source: each ``data.pkl`` of a zip record, else the bytes themselves."""
+    opened = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else open(source, "rb")  # noqa: SIM115
+    with opened:
+        if not zipfile.is_zipfile(opened):
+            opened.seek(0)
+            yield opened
+            return
+        with zipfile.ZipFile(opened) as archive:
+            for name in archive.namelist():
+                if name == "data.pkl" or name.endswith("/data.pkl"):
+                    yield io.BytesIO(archive.read(name))
+
+
+def _globals_in(stream: IO[bytes]) -> Iterator[str]:
+    """``module.name`` of every GLOBAL / STACK_GLOBAL in the consecutive pickles of ``stream``
+    (legacy ``torch.save`` files hold several); stops at the first bytes that are no pickle."""
+    strings: list[str] = []
+    memo: dict[int, Any] = {}
+    try:
+        while True:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name == "GLOBAL":
+                    yield _py3_name(*str(arg).split(" ", 1))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    yield _py3_name(strings[-2], strings[-1])
+                elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+                    memo[len(memo) if arg is None else int(arg)] = strings[-1] if strings else None
+                elif op.name in ("BINGET", "LONG_BINGET", "GET") and isinstance(memo.get(int(arg)), str):
+                    strings.append(memo[int(arg)])
+                elif isinstance(arg, str) and "UNICODE" in op.name:
+                    strings.append(arg)
+    except (ValueError, EOFError, IndexError, pickle.UnpicklingError, UnicodeDecodeError):
+        return
+
+
+def _py3_name(module: str, name: str) -> str:
+    """``module.name`` as unpickling resolves it (protocol 2 writes ``__builtin__.print``)."""
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
+def _allowed_paths() -> set[str]:
+    """Full names of every global ``safe_torch_load`` accepts: torch's defaults, ours, the user's."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        paths = set(_get_allowed_globals())
+    except ImportError:  # a hint only: report more names rather than fail
+        paths = set()
+    for entry in [*SAFE_GLOBALS, *torch.serialization.get_safe_globals()]:
+        if isinstance(entry, tuple):  # (object, "module.name") as add_safe_globals accepts
+            paths.add(entry[1])
+        else:
+            paths.add(f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}")
+    return paths
+
+
+def _torch_reason(exc: Exception) -> str:
+    """The refused class from torch's message, else its reason line (never its boilerplate)."""
+    text = str(exc)
+    classes = re.findall(r"<class '([^']+)'>", text)
+    if classes:
+        return ", ".join(dict.fromkeys(classes))
+    reason = text.split("WeightsUnpickler error:", 1)[-1] if "WeightsUnpickler error:" in text else ""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Check the documentation")]
+    return lines[0] if lines else text.strip().splitlines()[0]

@@ -4,7 +4,13 @@ A DCP data file is a sequence of ``torch.save`` records, each an uncompressed zi
 whose ``data/0`` entry holds the tensor bytes. Knowing the entry's offset, dtype, shape
 and strides lets a reader copy exactly the bytes it needs straight into the destination
 tensor. The record's pickle is decoded by a tiny allowlist unpickler that only records
-the arguments of ``_rebuild_tensor_v2``: it never imports or calls anything.
+the arguments of ``_rebuild_tensor_v2`` / ``_v3``: it never imports or calls anything.
+
+Besides the storage, offset, size and stride, a record may carry the conj and neg bits of
+a view (``torch.save`` writes the unresolved storage plus the bits); they are kept in the
+layout so reads apply them. Anything else a record can hold (quantized, sparse, nested,
+subclass or parameter rebuilds, unknown metadata, big-endian bytes) is refused by name,
+never read as wrong values.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and pickle
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -27,6 +33,23 @@ _LOCAL_HEADER_MAGIC = 0x04034B50
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+}
+_DTYPES: dict[str, torch.dtype] = {n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype)}  # v3's dtype
+_UNTYPED = ("torch.storage", "UntypedStorage")  # the storage class of ``_rebuild_tensor_v3`` records
+_TENSOR_FLAGS = ("conj", "neg")  # what ``torch._utils.get_tensor_metadata`` writes (torch 2.13)
+
+# torch's own rebuilds of tensors that are not one plain strided storage: legitimate, not readable here
+_OTHER_REBUILDS = {
+    "_rebuild_qtensor": "a quantized tensor",
+    "_rebuild_sparse_tensor": "a sparse tensor",
+    "_rebuild_nested_tensor": "a nested tensor",
+    "_rebuild_wrapper_subclass": "a tensor subclass",
+    "_rebuild_from_type_v2": "a tensor subclass",
+    "_rebuild_parameter": "an nn.Parameter",
+    "_rebuild_parameter_with_state": "an nn.Parameter",
+    "_rebuild_meta_tensor_no_storage": "a meta tensor without data",
+    "_rebuild_device_tensor_from_cpu_tensor": "a device tensor",
+    "_rebuild_device_tensor_from_numpy": "a device tensor",
 }
 
 
@@ -41,12 +64,28 @@ class TensorLayout:
     stride: tuple[int, ...]
     storage_offset: int  # in elements
     payload_crc32: int | None  # the zip entry's CRC-32 (covers the whole storage)
+    conj: bool = False  # the record's conj bit: stored values are the conjugate of the bytes
+    neg: bool = False  # the record's neg bit: stored values are the negation of the bytes
 
     def is_dense(self) -> bool:
         """True when the tensor is the whole storage in row-major order."""
         return self.storage_offset == 0 and self.stride == contiguous_strides(self.shape) and (
             self.payload_nbytes == numel(self.shape) * self.dtype.itemsize
         )
+
+    def values(self, raw: torch.Tensor) -> torch.Tensor:
+        """``raw`` (a view of stored bytes) as the values it stands for: the record's bits
+        set as lazy views, resolved by whatever copies out of it."""
+        if self.conj:
+            raw = raw.conj()
+        return torch._neg_view(raw) if self.neg else raw
+
+    def resolve_in_place(self, dest: torch.Tensor) -> None:
+        """Apply the record's bits to stored bytes already read into ``dest``."""
+        if self.conj:
+            torch.conj_physical_(dest)
+        if self.neg:
+            dest.neg_()
 
 
 def numel(shape: tuple[int, ...] | torch.Size) -> int:
@@ -66,13 +105,55 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _StorageRef:
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: an untyped storage (``_rebuild_tensor_v3``)
     key: str
-    numel: int
+    numel: int  # elements of ``dtype``, bytes when untyped
 
 
-def _rebuild_tensor_record(storage, storage_offset, size, stride, *_ignored):  # noqa: ANN001
-    return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
+@dataclass(frozen=True)
+class _Rebuild:
+    """The arguments of the record's tensor rebuild call that decide its values."""
+
+    storage: _StorageRef
+    dtype: torch.dtype
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    flags: dict[str, bool]
+
+    @property
+    def storage_numel(self) -> int:
+        """The storage's length in elements of the tensor's dtype."""
+        return self.storage.numel if self.storage.dtype is not None else self.storage.numel // self.dtype.itemsize
+
+
+def _rebuild_v2(storage, storage_offset, size, stride, _requires_grad=False, _hooks=None, metadata=None):  # noqa: ANN001, ANN202
+    if not isinstance(storage, _StorageRef) or storage.dtype is None:
+        raise CorruptCheckpointError(f"tensor record rebuilds from {storage!r}, not a typed storage")
+    return _Rebuild(storage, storage.dtype, int(storage_offset), tuple(size), tuple(stride), _flags(metadata))
+
+
+def _rebuild_v3(storage, storage_offset, size, stride, _requires_grad, _hooks, dtype, metadata=None):  # noqa: ANN001, ANN202
+    if not isinstance(storage, _StorageRef) or storage.dtype is not None or not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"tensor record rebuilds {dtype!r} from {storage!r}, not an untyped storage")
+    return _Rebuild(storage, dtype, int(storage_offset), tuple(size), tuple(stride), _flags(metadata))
+
+
+def _flags(metadata: object) -> dict[str, bool]:
+    """The record's tensor metadata: only the conj/neg bits torch writes are understood."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(f"tensor record carries metadata {metadata!r}, not a dict")
+    unknown = sorted(str(k) for k in metadata if k not in _TENSOR_FLAGS)
+    if unknown:
+        raise CheckpointError(
+            f"tensor record carries tensor metadata {unknown} that ShardReader cannot apply "
+            f"(it understands {list(_TENSOR_FLAGS)})"
+        )
+    if not all(isinstance(v, bool) for v in metadata.values()):
+        raise CorruptCheckpointError(f"tensor record carries non-boolean metadata {metadata!r}")
+    return dict(metadata)
 
 
 class _TensorPickleReader(pickle.Unpickler):
@@ -80,20 +161,29 @@ class _TensorPickleReader(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):  # noqa: ANN201
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_record
+            return _rebuild_v2
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _rebuild_v3
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if (module, name) == _UNTYPED:
+            return _UNTYPED
+        if module == "torch" and (name in _STORAGE_DTYPES or name in _DTYPES):
+            return _STORAGE_DTYPES.get(name) or _DTYPES[name]
+        if module in ("torch._utils", "torch._tensor") and name in _OTHER_REBUILDS:
+            raise CheckpointError(
+                f"tensor record holds {_OTHER_REBUILDS[name]} ({module}.{name}); ShardReader reads "
+                "plain strided tensors only"
+            )
         raise UnsafeCheckpointError(f"tensor record refers to {module}.{name}, which is not a plain tensor")
 
     def persistent_load(self, pid):  # noqa: ANN001, ANN201
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise UnsafeCheckpointError(f"tensor record has an unexpected storage reference {pid!r}")
         _, dtype, key, _location, count = pid
-        if not isinstance(dtype, torch.dtype) or not isinstance(key, str) or not isinstance(count, int):
+        if not (isinstance(dtype, torch.dtype) or dtype is _UNTYPED) or not isinstance(key, str) or not isinstance(count, int):
             raise UnsafeCheckpointError(f"tensor record has a malformed storage reference {pid!r}")
-        return _StorageRef(dtype, key, count)
+        return _StorageRef(dtype if dtype is not _UNTYPED else None, key, count)
 
 
 class _ProbedRecord(io.RawIOBase):
@@ -148,32 +238,52 @@ def parse_tensor_record(length: int, read_at: Callable[[int, int], bytes], where
         probe = _ProbedRecord(length, read_at)
         with zipfile.ZipFile(probe) as archive:
             entries = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            pickled = archive.read(entries["data.pkl"])
-            decoded = _TensorPickleReader(io.BytesIO(pickled)).load()
-            if not (isinstance(decoded, tuple) and decoded and decoded[0] == "tensor"):
-                raise UnsafeCheckpointError(f"{where}: record does not hold a plain tensor")
-            _, storage, storage_offset, shape, stride = decoded
-            data_entry = entries[f"data/{storage.key}"]
-    except (UnsafeCheckpointError, CorruptCheckpointError) as exc:
+            decoded = _TensorPickleReader(io.BytesIO(archive.read(entries["data.pkl"]))).load()
+            if not isinstance(decoded, _Rebuild):
+                raise UnsafeCheckpointError("record does not hold a plain tensor")
+            _check_byteorder(archive, entries, decoded.dtype)
+            data_entry = entries[f"data/{decoded.storage.key}"]
+    except CheckpointError as exc:
         raise type(exc)(f"{where}: {exc}") from None
-    except (KeyError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, struct.error) as exc:
+    except (KeyError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, struct.error) as exc:
         raise CorruptCheckpointError(f"{where}: not a readable torch.save tensor record ({exc})") from None
+    payload_offset = _payload_offset(probe, data_entry, length, where)
+    nbytes = data_entry.file_size
+    if nbytes != decoded.storage_numel * decoded.dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: storage claims {decoded.storage.numel} {decoded.storage.dtype or 'bytes'} elements "
+            f"of {decoded.dtype} but holds {nbytes} bytes"
+        )
+    if decoded.flags.get("conj") and not decoded.dtype.is_complex:
+        raise CorruptCheckpointError(f"{where}: record sets the conj bit on a {decoded.dtype} tensor")
+    layout = TensorLayout(
+        payload_offset, nbytes, decoded.dtype, decoded.shape, decoded.stride, decoded.storage_offset,
+        data_entry.CRC, conj=decoded.flags.get("conj", False), neg=decoded.flags.get("neg", False),
+    )
+    _check_within_storage(layout, decoded.storage_numel, where)
+    return layout
+
+
+def _check_byteorder(archive: zipfile.ZipFile, entries: dict[str, zipfile.ZipInfo], dtype: torch.dtype) -> None:
+    """Refuse bytes in the other byte order (no record means little-endian, as torch.load assumes here)."""
+    order = archive.read(entries["byteorder"]).decode("ascii", "replace") if "byteorder" in entries else "little"
+    if order not in ("little", "big"):
+        raise CorruptCheckpointError(f"record has an unknown byte order {order!r}")
+    if order == "big" and dtype.itemsize > 1:
+        raise CheckpointError(f"record holds big-endian {dtype} bytes; ShardReader reads little-endian records only")
+
+
+def _payload_offset(probe: _ProbedRecord, data_entry: zipfile.ZipInfo, length: int, where: str) -> int:
+    """Where the storage entry's bytes start, from its zip local header."""
     probe.seek(data_entry.header_offset)
     header = probe.read(_LOCAL_HEADER.size)
     fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else (0,) * 11
     if fields[0] != _LOCAL_HEADER_MAGIC:
         raise CorruptCheckpointError(f"{where}: bad zip local header for the tensor data")
     payload_offset = data_entry.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-    nbytes = data_entry.file_size
-    if data_entry.compress_type != zipfile.ZIP_STORED or payload_offset + nbytes > length:
+    if data_entry.compress_type != zipfile.ZIP_STORED or payload_offset + data_entry.file_size > length:
         raise CorruptCheckpointError(f"{where}: tensor data lies outside its record or is compressed")
-    if nbytes != storage.numel * storage.dtype.itemsize:
-        raise CorruptCheckpointError(
-            f"{where}: storage claims {storage.numel} elements of {storage.dtype} but holds {nbytes} bytes"
-        )
-    layout = TensorLayout(payload_offset, nbytes, storage.dtype, shape, stride, storage_offset, data_entry.CRC)
-    _check_within_storage(layout, storage.numel, where)
-    return layout
+    return payload_offset
 
 
 def _check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -> None:

@@ -73,7 +73,8 @@ def convert(
     ``dst`` must not be ``src`` nor a file; a checkpoint already at ``dst`` is replaced
     only with ``overwrite=True`` (else ``CheckpointExistsError``).
     """
-    reader = ShardReader(src, megatron=options, storage_options=storage_options)
+    # bytes items are copied as stored, never unpickled here: the reader's check is not needed
+    reader = ShardReader(src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True)
     entries = reader.read_metadata().state_dict_metadata
     _check_destination(reader.location, Location(dst, storage_options))
     sizes = {

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 
-from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError, UnsafeCheckpointError
-from dcp_ext.formats.safe_load import safe_torch_load
+from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
+from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.planning.dedup import chunk_view
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
@@ -116,9 +116,12 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
 
     DCP's ``load_bytes`` decodes them with ``torch.load(weights_only=False)``: a hostile
     checkpoint runs arbitrary code there. We use ``weights_only=True`` with a small
-    allowlist (containers, numbers, strings, tensors, ``argparse.Namespace``, numpy arrays,
-    and classes registered with ``torch.serialization.add_safe_globals``);
-    ``allow_unsafe_bytes=True`` restores DCP's behaviour for checkpoints you trust. ``placement_fn``/``mesh``: see PlacementLoadMixin.
+    allowlist (``dcp_ext.formats.safe_load``: containers, numbers, strings, bytes, tensors,
+    ``argparse.Namespace``, numpy arrays and scalars, and classes registered with
+    ``torch.serialization.add_safe_globals``); ``allow_unsafe_bytes=True`` restores DCP's
+    behaviour for checkpoints you trust (and tells ``ShardReader``, which checks bytes
+    items itself for any planner, to skip its check). ``placement_fn``/``mesh``: see
+    PlacementLoadMixin.
 
     Read items stay on their rank: DCP's global load step decides nothing for them, yet
     gathering them costs O(ranks x items) pickled objects through the coordinator. The
@@ -149,13 +152,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         if self.allow_unsafe_bytes:
             obj = torch.load(value, weights_only=False)
         else:
-            try:
-                obj = safe_torch_load(value.getvalue(), f"key {fqn!r}")
-            except UnsafeCheckpointError as exc:
-                raise UnsafeCheckpointError(
-                    f"{exc}; register classes you trust with torch.serialization.add_safe_globals, "
-                    "or pass ShardLoadPlanner(allow_unsafe_bytes=True) for a checkpoint you trust"
-                ) from None
+            obj = safe_load_bytes(value.getvalue(), f"key {fqn!r}", "ShardLoadPlanner(allow_unsafe_bytes=True)")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

@@ -40,6 +40,7 @@ def chunk_digest(tensor: torch.Tensor) -> bytes:
         sample = torch.take(flat, index)
     else:
         sample = flat.reshape(-1)
+    sample = sample.resolve_conj().resolve_neg()  # hash values: a conj/neg view's bytes are not its values
     data = sample.contiguous().view(torch.uint8).cpu().numpy().tobytes()
     header = f"{flat.dtype}{tuple(flat.shape)}".encode()
     return hashlib.blake2b(header + data, digest_size=16).digest()

@@ -3,9 +3,13 @@
 DCP calls ``read_metadata`` on every rank for every load; a job that loads model,
 optimizer and extra state from one checkpoint, or retries, would parse the same metadata
 again and again. Parsed catalogs are shared by every ShardReader in the process, keyed
-by the directory's canonical location and validated against a cheap signature (size,
-mtime, inode; or size/ETag on object stores) of ``.metadata`` and the index, so a
-checkpoint rewritten in place is re-read, never served stale.
+by the directory's canonical location and validated against a cheap signature of
+``.metadata``, the index and the commit marker, so a checkpoint rewritten in place is
+re-read, never served stale. Locally that is size, mtime, inode and ctime of each (tar or
+rsync restore mtimes and ext4 reuses inodes, but nothing sets a ctime back) plus the
+marker's bytes, whose save id is new for every save of ours; on object stores size and
+ETag or mtime. A load that finds a data file missing evicts the entry (``evict``), so the
+next load reads the metadata again whatever the signature said.
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ class Catalog:
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def files(self) -> set[str]:
+        """Every data file the checkpoint references (stored items and TP-replica copies)."""
+        names = {item.relative_path for item in self.items.values()}
+        names.update(copy.relative_path for copies in self.copies.values() for copy in copies)
+        return names
 
     def item(self, index: MetadataIndex) -> StoredItem:
         try:
@@ -183,7 +193,11 @@ def read_catalog(location: Location) -> Catalog:
 
 
 def catalog_signature(location: Location) -> tuple[Any, ...]:
-    return tuple(location.signature(name) for name in (METADATA_NAME, INDEX_NAME, MARKER_NAME))
+    """Stats of ``.metadata``, index and marker; locally also the marker's bytes (one small
+    read), whose save id never repeats across saves even when every stat does."""
+    stats = tuple(location.signature(name) for name in (METADATA_NAME, INDEX_NAME, MARKER_NAME))
+    marker = _read_optional(location, MARKER_NAME) if location.is_local and stats[-1] is not None else None
+    return (*stats, marker)
 
 
 class MetadataCache:
@@ -199,6 +213,14 @@ class MetadataCache:
         with self._lock:
             self._entries.clear()
             self._key_locks.clear()
+
+    def evict(self, location: Location, signature: tuple[Any, ...]) -> None:
+        """Forget the entry of ``location`` if it still has ``signature``: a load found one of
+        its data files missing, so the entry may be stale in a way no signature showed."""
+        with self._lock:
+            entry = self._entries.get(location.cache_key())
+            if entry is not None and entry[0] == signature:
+                del self._entries[location.cache_key()]
 
     def _lookup(self, key: str, signature: tuple[Any, ...]) -> Catalog | None:
         with self._lock:

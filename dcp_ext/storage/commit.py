@@ -9,6 +9,13 @@ no atomic rename, so there the three are written directly, the marker last: ther
 marker is the commit point (see ``dcp_ext.formats.marker``). Only after the commit are
 data files no longer referenced removed.
 
+A save that fails removes what it wrote: its data files carry its token
+(``__{rank}_{token}_{n}.distcp``) and no committed metadata ever references a token whose
+save did not commit, so ``discard_save`` can delete them on any rank. Before a save writes,
+``remove_dead_files`` deletes what dead saves (killed, or failed where nobody cleaned up)
+left beside the live checkpoint: otherwise a disk that a failed save filled stays full
+and every later save fails too.
+
 ``crash_point`` is a test hook: with ``DCP_EXT_CRASH_AT=<phase>`` in its environment a
 process SIGKILLs itself when a save reaches that phase, so the crash tests can stop a
 save at exact points. Phases, in save order: ``before-data`` (a rank starts writing),
@@ -21,17 +28,21 @@ one environment lookup per phase.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+from collections.abc import Callable
 
+from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
-from dcp_ext.storage.catalog import METADATA_NAME
+from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
 from dcp_ext.storage.location import Location
 
 CRASH_ENV = "DCP_EXT_CRASH_AT"
 DATA_FILE = re.compile(r"^__\d+_[^/]*\.distcp$")
+SAVE_DATA_FILE = re.compile(r"^__\d+_(?P<token>[0-9a-f]{12})_\d+\.distcp$")  # ours; stock names have no token
 TEMP_FILE = re.compile(r"^\.(metadata|dcp_ext_index\.parquet|dcp_ext_commit)\.[0-9a-f]+\.tmp$")
 
 
@@ -41,18 +52,31 @@ def crash_point(phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def commit(location: Location, save_id: str, metadata_bytes: bytes, index_bytes: bytes, sync: bool) -> None:
-    """Publish a checkpoint whose data files are already written (and synced)."""
+def commit(
+    location: Location,
+    save_id: str,
+    metadata_bytes: bytes,
+    index_bytes: bytes,
+    sync: bool,
+    at_commit_point: Callable[[], None] = lambda: None,
+) -> None:
+    """Publish a checkpoint whose data files are already written (and synced).
+
+    ``at_commit_point`` runs once ``.metadata`` may reference the new data files: from
+    then on a failure must not remove them (before it, ``discard_save`` removes them and
+    the temporary files).
+    """
     marker = CommitMarker.for_bytes(save_id, metadata_bytes, index_bytes).encode()
     if not location.is_local:
         crash_point("before-commit")
         location.write_bytes(INDEX_NAME, index_bytes, sync)
         crash_point("after-index")
+        at_commit_point()  # an unmarked .metadata still loads with require_commit_marker=False
         location.write_bytes(METADATA_NAME, metadata_bytes, sync)
         crash_point("before-marker")
         location.write_bytes(MARKER_NAME, marker, sync)  # the commit point
         return
-    temps = {name: f"{name}.{save_id[:12]}.tmp" for name in (INDEX_NAME, METADATA_NAME, MARKER_NAME)}
+    temps = {name: temp_name(name, save_id) for name in (INDEX_NAME, METADATA_NAME, MARKER_NAME)}
     for name, data in ((INDEX_NAME, index_bytes), (METADATA_NAME, metadata_bytes), (MARKER_NAME, marker)):
         location.write_bytes(temps[name], data, sync)
     if sync:
@@ -61,10 +85,64 @@ def commit(location: Location, save_id: str, metadata_bytes: bytes, index_bytes:
     location.replace(temps[INDEX_NAME], INDEX_NAME)
     crash_point("after-index")
     location.replace(temps[METADATA_NAME], METADATA_NAME)  # the commit point
+    at_commit_point()
     crash_point("before-marker")
     location.replace(temps[MARKER_NAME], MARKER_NAME)
     if sync:
         location.sync_directory()
+
+
+def temp_name(name: str, save_id: str) -> str:
+    """Where a local commit writes ``name`` before renaming it into place."""
+    return f"{name}.{save_id[:12]}.tmp"
+
+
+def save_token(name: str) -> str | None:
+    """The save token in one of our data file names, else None."""
+    match = SAVE_DATA_FILE.match(name)
+    return match["token"] if match else None
+
+
+def discard_save(location: Location, token: str, save_id: str = "", remove_dir: bool = False) -> list[str]:
+    """Remove what an uncommitted save wrote: every rank's data files with its ``token`` and
+    its temporary files; then the directory when the save created it and it is empty."""
+    temps = {temp_name(name, save_id) for name in (INDEX_NAME, METADATA_NAME, MARKER_NAME)} if save_id else set()
+    removed = [name for name in location.listdir() if save_token(name) == token or name in temps]
+    for name in removed:
+        location.remove(name)
+    if remove_dir:
+        location.remove_dir_if_empty()
+    return removed
+
+
+def remove_dead_files(location: Location) -> list[str]:
+    """Before a save writes: remove temp files, and data files of ours that the committed
+    checkpoint does not reference (dead saves' leftovers), so they cannot fill the disk.
+
+    Cheap in the usual case: data files of one save beside a ``.metadata`` are taken to be
+    the live checkpoint's; only other mixes read the committed metadata.
+    """
+    names = location.listdir()
+    dead = [name for name in names if TEMP_FILE.match(name)]
+    tokens = {save_token(name) for name in names} - {None}
+    if len(tokens) > 1 or (tokens and METADATA_NAME not in names):
+        live = live_files(location)
+        if live is not None:
+            dead += [name for name in names if save_token(name) and name not in live]
+    for name in dead:
+        with contextlib.suppress(OSError):  # opportunistic: never fails the save
+            location.remove(name)
+    return dead
+
+
+def live_files(location: Location) -> set[str] | None:
+    """The data files the committed checkpoint references; None when that cannot be told."""
+    if not location.exists(METADATA_NAME):
+        return set()
+    try:
+        return read_catalog(location).files()
+    except (CheckpointError, OSError):
+        return None
 
 
 def remove_unreferenced(location: Location, referenced: set[str]) -> list[str]:

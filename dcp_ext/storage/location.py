@@ -8,16 +8,19 @@ validated so that nothing outside the checkpoint directory is ever read or writt
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
+import shutil
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 import fsspec
 
-from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError, StorageFullError, UnsafeCheckpointError
 
 IOV_MAX = 1024  # scatter buffers per preadv call (the Linux limit)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def check_relative_name(root: str, name: object, key: str = "") -> str:
@@ -91,12 +94,17 @@ class Location:
             return None
 
     def signature(self, name: str) -> tuple[Any, ...] | None:
-        """A cheap fingerprint that changes when the file is rewritten (None: missing)."""
+        """A cheap fingerprint that changes when the file is rewritten (None: missing).
+
+        Locally the ctime is part of it: every write or rename sets it to now, and unlike
+        mtime no tool (tar, rsync, ``os.utime``) can set it back, so an in-place rewrite
+        that keeps size, mtime and inode still changes it.
+        """
         full = self.path(name)
         try:
             if self.fs is None:
                 st = os.stat(full)
-                return (st.st_size, st.st_mtime_ns, st.st_ino)
+                return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
             self.fs.invalidate_cache(full)
             info = self.fs.info(full)
         except (FileNotFoundError, OSError):
@@ -140,29 +148,68 @@ class Location:
             reader.close()
 
     # -- writing -----------------------------------------------------------------------
-    def makedirs(self) -> None:
-        if self.fs is None:
-            os.makedirs(self.root, exist_ok=True)
-        else:
+    def makedirs(self) -> bool:
+        """Create the directory and its parents; True when this call created it (a failed
+        save removes a directory it created, see ``remove_dir_if_empty``)."""
+        if self.fs is not None:
+            existed = self.fs.isdir(self.root)
             self.fs.makedirs(self.root, exist_ok=True)
+            return not existed
+        try:
+            os.makedirs(self.root)
+            return True
+        except FileExistsError:
+            if not os.path.isdir(self.root):
+                raise
+            return False
+
+    def remove_dir_if_empty(self) -> None:
+        """Best effort: a directory that still holds anything stays."""
+        with contextlib.suppress(OSError):
+            if self.fs is None:
+                os.rmdir(self.root)
+            elif not self.fs.ls(self.root, detail=False):
+                self.fs.rmdir(self.root)
 
     @contextlib.contextmanager
-    def create(self, name: str, sync: bool) -> Iterator[IO[bytes]]:
-        """Open ``name`` for writing; on success flush it and, if ``sync``, fsync it."""
+    def create(self, name: str, sync: bool, needed: int | None = None) -> Iterator[IO[bytes]]:
+        """Open ``name`` for writing; on success flush it and, if ``sync``, fsync it.
+
+        Running out of space raises ``StorageFullError`` naming the file and ``needed``
+        (the bytes the caller meant to write), instead of a bare ENOSPC ``OSError``.
+        """
         full = self.path(name)
-        if self.fs is None:
-            with open(full, "wb", buffering=1 << 20) as f:
-                yield f
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
-        else:
-            with self.fs.open(full, "wb") as f:
-                yield f
+        with self._loud_when_full(name, needed):
+            if self.fs is None:
+                with open(full, "wb", buffering=1 << 20) as f:
+                    yield f
+                    f.flush()
+                    if sync:
+                        os.fsync(f.fileno())
+            else:
+                with self.fs.open(full, "wb") as f:
+                    yield f
 
     def write_bytes(self, name: str, data: bytes, sync: bool) -> None:
-        with self.create(name, sync) as f:
+        with self.create(name, sync, needed=len(data)) as f:
             f.write(data)
+
+    @contextlib.contextmanager
+    def _loud_when_full(self, name: str, needed: int | None) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            raise StorageFullError(self._full_message(name, needed, exc)) from exc
+
+    def _full_message(self, name: str, needed: int | None, exc: OSError) -> str:
+        what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        facts = [f"needed {needed} bytes" if needed is not None else "needed more bytes than were free"]
+        if self.fs is None:
+            with contextlib.suppress(OSError):
+                facts.append(f"{shutil.disk_usage(self.root).free} bytes free")
+        return f"{self.url}: {what} writing {name} ({', '.join(facts)})"
 
     def replace(self, src: str, dst: str) -> None:
         """Move ``src`` over ``dst``: atomic on local disks (rename(2))."""

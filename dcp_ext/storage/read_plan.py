@@ -5,7 +5,8 @@ decomposes into runs of contiguous bytes; when the destination holds those runs
 contiguously too (the usual case: a whole chunk, or rows of it) the file bytes are read
 straight into the destination's memory. Otherwise they go into a temporary buffer no
 larger than the box (never the whole record) and are copied over. Boxes above
-``SLAB_BYTES`` are split so temporary memory per request stays bounded.
+``SLAB_BYTES`` are split so temporary memory per request stays bounded. A record's conj
+and neg bits (``TensorLayout.conj`` / ``.neg``) are applied once the bytes have landed.
 """
 
 from __future__ import annotations
@@ -132,7 +133,11 @@ class BoxRead:
     def copy_from(self, storage: torch.Tensor, storage_offset: int = 0) -> None:
         """Copy the box out of a buffer laid out like the stored chunk's storage."""
         start = storage_offset + sum(o * s for o, s in zip(self.offsets, self.layout.stride))
-        self.dest.copy_(storage.as_strided(self.lengths, self.layout.stride, start))
+        self.dest.copy_(self.layout.values(storage.as_strided(self.lengths, self.layout.stride, start)))
+
+    def resolve_in_place(self) -> None:
+        """Bytes read straight into the destination become values (the record's bits)."""
+        self.layout.resolve_in_place(self.dest)
 
 
 def tensor_requests(
@@ -196,14 +201,14 @@ def _dense_request(box: BoxRead) -> Request:
     ranges = [(box.base + int(s) * dtype.itemsize, run_bytes) for s in starts]
     block = box.dest[(0,) * outer] if outer else box.dest
     if _direct_capable(box.dest, dtype) and block.is_contiguous():
-        return Request(box.path, box.key, ranges, lambda: _dest_runs(box.dest, outer, run_bytes))
+        return Request(box.path, box.key, ranges, lambda: _dest_runs(box.dest, outer, run_bytes), box.resolve_in_place)
     temp = Scratch(box.lengths, dtype)
 
     def targets() -> list[memoryview]:
         data = tensor_bytes(temp.get())
         return [data[i * run_bytes : (i + 1) * run_bytes] for i in range(len(ranges))]
 
-    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(temp.release()))
+    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(box.layout.values(temp.release())))
 
 
 def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryview]:
@@ -256,7 +261,9 @@ def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
 
     def complete() -> None:
         check.check(targets())
-        if scratch is not None:
+        if scratch is None:
+            box.resolve_in_place()
+        else:
             box.copy_from(scratch.release(), layout.storage_offset)
 
     return Request(item.relative_path, box.key, ranges, targets, complete)

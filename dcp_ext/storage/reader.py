@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -26,7 +26,8 @@ from dcp_ext.megatron.detect import open_source
 from dcp_ext.megatron.reading import read_source_items
 from dcp_ext.megatron.torch_dist import torch_dist_view
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
-from dcp_ext.storage.catalog import METADATA_NAME, Catalog
+from dcp_ext.storage.bytes_guard import SafeBytesPlanner
+from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request, bytes_request, tensor_requests
@@ -77,6 +78,11 @@ class ShardReader(StorageReader):
         group: the process group for ``two_stage`` (default: the whole job; pass the
             data-parallel group to mirror Megatron).
         exchange_budget_bytes: bytes of stored data in flight per two-stage batch.
+        allow_unsafe_bytes: skip the check of non-tensor (bytes) items. By default every
+            one is decoded by the restricted loader before any planner sees it (DCP's
+            ``DefaultLoadPlanner`` would unpickle it with ``weights_only=False``) and a
+            refused one raises ``UnsafeCheckpointError``; pass True only for checkpoints you
+            trust. ``ShardLoadPlanner(allow_unsafe_bytes=True)`` counts as the same opt-out.
         on_report: called with this rank's ``LoadReport`` when its part of a load ends
             (see ``dcp_ext.observe``); the latest is also kept as ``last_report``.
     """
@@ -95,6 +101,7 @@ class ShardReader(StorageReader):
         group: dist.ProcessGroup | None = None,
         exchange_budget_bytes: int = DEFAULT_BUDGET_BYTES,
         on_report: ReportCallback | None = None,
+        allow_unsafe_bytes: bool = False,
     ):
         super().__init__()
         self.storage_options = storage_options
@@ -108,6 +115,7 @@ class ShardReader(StorageReader):
         self.two_stage = two_stage
         self.group = group
         self.exchange_budget_bytes = exchange_budget_bytes
+        self.allow_unsafe_bytes = allow_unsafe_bytes
         self.stats = ReadStats()
         self.clock = PhaseClock(LOAD_PHASES)
         self.on_report = on_report
@@ -166,6 +174,7 @@ class ShardReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
         self.clock.charge_rest("plan")
+        planner = self._bytes_checked(planner)
         if self.source is not None:
             bytes_read, files = read_source_items(self.source, plan.items, planner, self.thread_count)
             return self._finish_read(plan, bytes_read, files, started)
@@ -179,6 +188,19 @@ class ShardReader(StorageReader):
         for commit_item in commits:
             commit_item()
         return self._finish_read(plan, bytes_read, files, started)
+
+    def _bytes_checked(self, planner: LoadPlanner) -> LoadPlanner:
+        """The planner every read path calls: bytes items pass the restricted loader first,
+        unless the caller opted out here or with ``ShardLoadPlanner(allow_unsafe_bytes=True)``."""
+        if self.allow_unsafe_bytes or getattr(planner, "allow_unsafe_bytes", False) is True:
+            return planner
+        return cast(LoadPlanner, SafeBytesPlanner(planner, self._bytes_where))
+
+    def _bytes_where(self, read_item: ReadItem) -> str:
+        index = read_item.storage_index
+        if self.source is not None:
+            return f"{self.source.url}: files {self.source.chunk_files(index)} key {index.fqn!r}"
+        return self._where(self._require_catalog().item_for_rank(index, self.rank).relative_path, index.fqn)
 
     def _read_two_stage(
         self, plan: LoadPlan, planner: LoadPlanner, requests: list[Request], commits: list[Callable[[], None]]
@@ -253,8 +275,11 @@ class ShardReader(StorageReader):
             )
 
     def _missing(self, path: str, key: str) -> CheckpointError:
-        """The error for a data file that is gone: a concurrent save retired it, or it was lost."""
+        """The error for a data file that is gone: a concurrent save retired it, or it was lost.
+
+        Either way the cached metadata is dropped, so the next load reads it again."""
         catalog = self._require_catalog()
+        METADATA_CACHE.evict(self.location, catalog.signature)
         if FORMATS[catalog.format].signature(self.location) != catalog.signature:
             return CheckpointError(
                 f"{self._where(path, key)}: data file is gone because a newer save was committed into "

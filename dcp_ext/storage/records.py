@@ -94,8 +94,12 @@ def _address(view: memoryview) -> int:
 
 
 def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns exactly its bytes in row-major order (what we store)."""
-    tensor = tensor.detach()
+    """A CPU tensor that owns exactly its values in row-major order (what we store).
+
+    Conj/neg views are resolved: ``torch.save`` would write the unresolved storage plus a
+    bit that the index (which records only where the bytes are) does not carry.
+    """
+    tensor = tensor.detach().resolve_conj().resolve_neg()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if (

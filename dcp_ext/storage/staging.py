@@ -21,7 +21,9 @@ dict. ``AsyncStagingMixin`` makes ``ShardWriter`` its own stager and keeps the c
   group from two threads at once and share the writer's per-save state (path, save id,
   rank); DCP's checkpoint process serves one request at a time anyway, so the second save
   would only queue behind the first while holding twice the memory. The wait costs the
-  training step only when saves are started faster than they finish.
+  training step only when saves are started faster than they finish. (The writer itself
+  also admits one save at a time, in ``reset``/``set_up_storage_writer``, for saves staged
+  by another stager: ``dcp_ext.storage.save_tracking.SaveSlot``.)
 * A plain ``dcp.save`` through the writer while its async save runs (same thread) waits
   for that save too, for the same reasons.
 * Failures surface. DCP raises a background failure from the future's ``.result()``; the

@@ -21,9 +21,10 @@ from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.planning.locality import canonical_index
 from dcp_ext.storage.catalog import METADATA_NAME
-from dcp_ext.storage.commit import commit, crash_point, remove_unreferenced
+from dcp_ext.storage.commit import commit, crash_point, remove_dead_files, remove_unreferenced
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.records import RecordSink, write_bytes, write_tensor
+from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
 from dcp_ext.storage.staging import AsyncStagingMixin
 
 DCP_METADATA_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
@@ -31,9 +32,15 @@ DCP_METADATA_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 
 @dataclasses.dataclass(frozen=True)
 class FilePrefix:
-    """Per-rank file name prefix, carrying the save's token: ``__{rank}_{token}_``."""
+    """What the coordinator tells each rank about the save's files."""
 
-    prefix: str
+    rank: int
+    token: str  # new per save: names every data file of it, so a failed save's files are known
+    created_dir: bool  # the save created its directory: a failed save removes it when empty
+
+    @property
+    def prefix(self) -> str:
+        return f"__{self.rank}_{self.token}_"
 
 
 def default_thread_count() -> int:
@@ -101,16 +108,18 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = False
+        self.slot = SaveSlot()  # one save at a time, whichever stager staged it
+        self._created_dir = False  # coordinator: this save created the directory
+        self._token = ""  # coordinator: the running save's data-file token
 
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.finish_async_save_first()
+        self._begin_save()
         if checkpoint_id:
             self.location = Location(checkpoint_id, self.storage_options)
-        self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.finish_async_save_first()
+        self._begin_save()
         self.clock = PhaseClock(SAVE_PHASES)  # a save starts here on every rank
         self.written = []
         self.is_coordinator = is_coordinator
@@ -120,12 +129,15 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                 f"{self.location.url}: ShardWriter commits one checkpoint for the whole job and "
                 "needs use_collectives=True"
             )
+        if is_coordinator:
+            OPEN_SAVES.discard_failed()  # before this save needs the space they hold
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.location.url, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.location.makedirs()
+        if self.is_coordinator:  # only it, before any rank writes: it alone knows it created the directory
+            self._created_dir = self.location.makedirs()
         if not self.overwrite and self.location.exists(METADATA_NAME):
             raise CheckpointExistsError(
                 f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
@@ -133,13 +145,25 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        token = uuid.uuid4().hex[:12]
-        return [dataclasses.replace(p, storage_data=FilePrefix(f"__{rank}_{token}_")) for rank, p in enumerate(plans)]
+        remove_dead_files(self.location)  # no rank writes before the plans go out
+        self._token = uuid.uuid4().hex[:12]
+        OPEN_SAVES.track(OpenSave(self.location, self._token, self.save_id, self._created_dir))
+        return [
+            dataclasses.replace(p, storage_data=FilePrefix(rank, self._token, self._created_dir))
+            for rank, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.clock.charge_rest("plan")
-        with self.clock.phase("write"):
-            self.written = self._write_files(plan, planner)
+        prefix: FilePrefix = plan.storage_data
+        try:
+            with self.clock.phase("write"):
+                self.written = self._write_files(plan, planner)
+        except BaseException:
+            # the save cannot commit now: remove its files, other ranks' too where this rank
+            # sees them (a shared directory); the coordinator removes later ones next time
+            OpenSave(self.location, prefix.token, "", prefix.created_dir).discard()
+            raise
         if not self.is_coordinator:  # its part ends here; the coordinator's after the commit
             self._publish(metadata_bytes=0)
         done: Future[list[WriteResult]] = Future()
@@ -148,22 +172,45 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         crash_point("after-data")
-        with self.clock.phase("metadata"):
-            metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
-        with self.clock.phase("commit"):
-            commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files)
-            remove_unreferenced(self.location, referenced)
+        token = self._token
+        with discard_on_failure(token):  # until the commit point
+            with self.clock.phase("metadata"):
+                metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
+            with self.clock.phase("commit"):
+                commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files,
+                       at_commit_point=lambda: OPEN_SAVES.committed(token))
+                remove_unreferenced(self.location, referenced)
         self._publish(metadata_bytes=len(metadata_bytes) + len(index_bytes))
+
+    def close(self) -> None:
+        """Wait for the save in flight, free the staging memory and remove the files of saves
+        that failed since the last save began (DCP has no failure hook; see ``save_tracking``).
+
+        Raises an unreported background failure, as the next save would.
+        """
+        try:
+            super().close()
+        finally:
+            self.slot.wait_idle()
+            OPEN_SAVES.discard_failed()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # -- helpers -------------------------------------------------------------------------
+    def _begin_save(self) -> None:
+        """Where a save begins on its thread: report a failed async save, wait for the one
+        running, then take a new save id (the commit marker's, never reused)."""
+        self.finish_async_save_first()
+        self.slot.enter()
+        self.save_id = uuid.uuid4().hex
+
     def _write_files(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Write this rank's items into up to ``thread_count`` files in parallel."""
         prefix: FilePrefix = plan.storage_data
         crash_point("before-data")
+        self.location.makedirs()  # the coordinator made it; a rank on its own disk needs it too
         buckets = split_by_bytes(plan.items, self.thread_count)
         results: list[WriteResult] = []
         if buckets:
@@ -214,7 +261,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results = []
-        with self.location.create(name, self.sync_files) as out:
+        with self.location.create(name, self.sync_files, needed=sum(map(item_nbytes, items))) as out:
             sink = RecordSink(out, self.checksums)
             for item in items:
                 data = planner.resolve_data(item)
