@@ -69,3 +69,18 @@ def test_every_public_error_derives_from_checkpoint_error():
     for error in errors:
         assert issubclass(error, dcp_ext.CheckpointError), error
     assert issubclass(dcp_ext.ReplicaMismatchError, ValueError)  # as before: callers may catch ValueError
+
+
+def test_a_rank_spreads_its_items_over_files_by_chunk_bytes():
+    """Each shard weighs its own bytes, not its whole tensor's (tensor_storage_size)."""
+    from dcp_ext.storage.writer import item_nbytes, split_by_bytes
+    from planning_util import shard_item
+
+    items = [
+        shard_item("a", [0, 0], [900, 10], [1000, 10]),
+        shard_item("a", [900, 0], [100, 10], [1000, 10]),
+        shard_item("b", [0, 0], [100, 10], [4000, 10]),
+        shard_item("c", [0, 0], [500, 10], [500, 10]),
+    ]
+    files = split_by_bytes(items, 2)
+    assert sorted(sum(item_nbytes(i) for i in f) for f in files) == [700 * 40, 900 * 40]

@@ -18,6 +18,7 @@ from torch.futures import Future
 from dcp_ext.errors import CheckpointError, CheckpointExistsError
 from dcp_ext.formats.gc_pause import gc_paused
 from dcp_ext.formats.index import StoredItem, encode_index
+from dcp_ext.formats.torch_record import numel
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.planning.locality import canonical_index
 from dcp_ext.storage.catalog import METADATA_NAME
@@ -48,7 +49,11 @@ def default_thread_count() -> int:
 
 
 def item_nbytes(item: WriteItem) -> int:
-    return item.tensor_storage_size() or 0
+    """Bytes this item writes: its chunk, not the global tensor (``tensor_storage_size()``
+    counts the whole tensor, which weighs every shard of a sharded tensor as all of it)."""
+    if item.tensor_data is None:
+        return 0
+    return numel(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def split_by_bytes(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
