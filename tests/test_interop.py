@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -222,3 +223,49 @@ def test_save_planner_with_hugging_face_writer(tmp_path):
     dest = {k: garbage_like(v) for k, v in state.items()}
     dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(tmp_path)))
     assert_state_dict_equal(dest, state)
+
+
+# -- stock checkpoints written through stream transforms (compression) -------------------------
+def zstd_save_job(rank: int, world: int, base: str) -> None:
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd, _ = build(mesh, destination=False)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(base, _extensions=[ZStandard()]), planner=DefaultSavePlanner())
+
+
+def zstd_load_job(rank: int, world: int, base: str, two_stage: bool) -> None:
+    mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
+    for verify in (False, True):
+        dest, expected = build(mesh, destination=True)
+        reader = ShardReader(base, verify_checksums=verify, two_stage=two_stage)
+        dcp.load(dest, storage_reader=reader, planner=ShardLoadPlanner())
+        assert_state_dict_equal(dest, expected, f"rank {rank} zstd verify={verify} two_stage={two_stage}")
+
+
+def test_zstd_compressed_stock_checkpoints_load_resharded(tmp_path):
+    """Stock FileSystemWriter(_extensions=[ZStandard()]): records read whole and decoded
+    through DCP's extension registry, at the saving world size, resharded, and two-stage."""
+    run_job(zstd_save_job, 2, str(tmp_path))
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    assert all(i.transform_descriptors == ["stream.zstd/1"] for i in metadata.storage_data.values())
+    run_job(zstd_load_job, 1, str(tmp_path), False)
+    run_job(zstd_load_job, 2, str(tmp_path), True)
+
+
+def test_corrupt_compressed_record_is_reported_by_verify(tmp_path, capsys):
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dcp_ext.cli.main import main as cli
+
+    state = {"w": torch.arange(4096.0)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[ZStandard()]))
+    assert cli(["verify", str(tmp_path)]) == 0
+    data = next(p for p in tmp_path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    assert cli(["verify", str(tmp_path)]) == 1
+    assert "FAULT" in capsys.readouterr().out
+    with pytest.raises(BaseException, match=r"stream transforms|crc32|unreadable"):
+        dcp.load({"w": torch.zeros(4096)}, storage_reader=ShardReader(tmp_path, verify_checksums=True))

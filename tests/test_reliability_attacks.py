@@ -395,3 +395,21 @@ def test_corrupt_index_under_a_valid_marker_is_named(tmp_path):
 def test_directory_without_metadata_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
         ShardReader(tmp_path).read_metadata()
+
+
+def test_compressed_record_that_expands_without_bound_is_refused(tmp_path):
+    """A stream-transformed (zstd) record is decoded to at most its chunk's bytes plus the
+    record's zip entries: a hostile 16 MiB expansion of a 4-byte tensor is refused."""
+    import zstandard
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"w": torch.ones(1)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[ZStandard()]))
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (16 << 20))
+    metadata = read_metadata_pickle(tmp_path)
+    info = metadata.storage_data[next(iter(metadata.storage_data))]
+    (tmp_path / info.relative_path).write_bytes(bomb)
+    info.offset, info.length = 0, len(bomb)
+    write_metadata_pickle(tmp_path, metadata)
+    error = load_error(state, tmp_path)
+    assert isinstance(error, CorruptCheckpointError) and "'w'" in str(error) and "expand past 65540 bytes" in str(error)

@@ -66,9 +66,10 @@ class StoredItem(NamedTuple):
     length: int
     payload_offset: int = -1
     checksum: int | None = None  # CRC32C of bytes [offset, offset + length)
+    transforms: tuple[str, ...] = ()  # DCP stream transforms (compression): the record is read whole
 
     def storage_info(self) -> _StorageInfo:
-        return _StorageInfo(self.relative_path, self.offset, self.length)
+        return _StorageInfo(self.relative_path, self.offset, self.length, list(self.transforms) or None)
 
 
 @dataclass
@@ -202,7 +203,9 @@ class _Rows:
         box_ends = np.concatenate([[0], np.cumsum(np.maximum(self.ndim, 0))]).astype(np.int32)
         dtypes = sorted({facts[0] for facts in self.tensors.values()})
         dtype_of_key = np.array([dtypes.index(self.tensors[n][0]) if n in self.tensors else 0 for n in self.names] or [0], np.int8)
-        files, offset, length, payload, checksum = zip(*self.stored) if self.stored else ((),) * 5
+        files, offset, length, payload, checksum, transforms = zip(*self.stored) if self.stored else ((),) * 6
+        if any(transforms):  # the index has no column for them; our writer stores plain records
+            raise ValueError("the index cannot record stream-transformed items")
         file_codes: dict[str, int] = {}
         file_column = np.array([file_codes.setdefault(f, len(file_codes)) for f in files], np.int32)
         return [

@@ -78,6 +78,14 @@ class Catalog:
                 return md, chunk
         raise CheckpointError(f"{self.url}: key {index.fqn!r} has no chunk at offset {index.offset}")
 
+    def chunk_nbytes(self, index: MetadataIndex) -> int | None:
+        """Bytes of the tensor chunk an item holds; None for a bytes item."""
+        md = self.metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        _, chunk = self.chunk(index)
+        return numel(tuple(chunk.sizes)) * md.properties.dtype.itemsize
+
     def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
         """The copy of an item in ``rank``'s own data files if one exists, else the canonical one."""
         canonical = self.item(index)

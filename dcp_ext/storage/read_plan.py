@@ -11,6 +11,8 @@ and neg bits (``TensorLayout.conj`` / ``.neg``) are applied once the bytes have 
 
 from __future__ import annotations
 
+import io
+import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -19,9 +21,10 @@ import crc32c
 import numpy as np
 import torch
 
-from dcp_ext.errors import ChecksumMismatchError
+from dcp_ext.errors import ChecksumMismatchError, CorruptCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, numel
+from dcp_ext.formats.transforms import decode
 
 SLAB_BYTES = 32 << 20  # largest temporary buffer one request may allocate
 SMALL_RUN_BYTES = 4096  # runs below this are read as one span and copied with strides
@@ -111,6 +114,49 @@ def bytes_request(item: StoredItem, key: str, where: str, verify: bool) -> tuple
 
     request = Request(item.relative_path, key, [(item.offset, item.length)], lambda: [memoryview(buf)], complete)
     return request, buf
+
+
+def transformed_request(
+    item: StoredItem, key: str, where: str, verify: bool, limit: int
+) -> tuple[Request, list[bytes]]:
+    """A record stored through stream transforms (compression): read whole, checked against
+    its stored-bytes checksum when asked, decoded (to at most ``limit`` bytes). Returns the
+    request and the list that holds the decoded record once it completed."""
+    buf = bytearray(item.length)
+    check = Verification("crc32c", item.checksum, where) if verify and item.checksum is not None else None
+    decoded: list[bytes] = []
+
+    def complete() -> None:
+        if check is not None:
+            check.check([memoryview(buf)])
+        decoded.append(decode(item.transforms, buf, where, limit))
+
+    return Request(item.relative_path, key, [(item.offset, item.length)], lambda: [memoryview(buf)], complete), decoded
+
+
+def copy_record_box(
+    record: bytes, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor, where: str, verify: bool
+) -> None:
+    """Copy a box of the tensor in a decoded ``torch.save`` record into ``dest``.
+
+    ``verify`` checks the CRC-32 of every zip entry of the record (what stock records carry).
+    """
+    archive = io.BytesIO(record)
+    if verify:
+        try:
+            bad = zipfile.ZipFile(archive).testzip()
+        except (zipfile.BadZipFile, zlib.error) as exc:
+            raise CorruptCheckpointError(f"{where}: decoded record is no torch.save archive ({exc})") from None
+        if bad is not None:
+            raise ChecksumMismatchError(f"{where}: crc32 mismatch in record entry {bad!r}; the stored bytes are corrupt")
+        archive.seek(0)
+    try:
+        tensor = torch.load(archive, map_location="cpu", weights_only=True)
+    except Exception as exc:  # untrusted bytes: anything torch.load trips over is corruption
+        raise CorruptCheckpointError(f"{where}: decoded record is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(offsets):
+        raise CorruptCheckpointError(f"{where}: decoded record holds no {len(offsets)}-d tensor")
+    dest.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -19,7 +20,9 @@ from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.exchange.two_stage import DEFAULT_BUDGET_BYTES, TwoStageExchange
+from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
+from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.megatron.base import MegatronOptions, MegatronSource
 from dcp_ext.megatron.detect import open_source
@@ -30,7 +33,13 @@ from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.read_plan import Request, bytes_request, tensor_requests
+from dcp_ext.storage.read_plan import (
+    Request,
+    bytes_request,
+    copy_record_box,
+    tensor_requests,
+    transformed_request,
+)
 
 TASK_BYTES = 32 << 20  # bytes one thread reads before the next task is picked
 SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
@@ -310,7 +319,11 @@ class ShardReader(StorageReader):
 
     def _layouts(self, catalog: Catalog, items: list[ReadItem]) -> dict[Any, TensorLayout]:
         """Tensor layouts for the plan; stock records are parsed in parallel, once."""
-        indices = {i.storage_index for i in items if i.type != LoadItemType.BYTE_IO}
+        indices = {
+            i.storage_index
+            for i in items
+            if i.type != LoadItemType.BYTE_IO and not catalog.item_for_rank(i.storage_index, self.rank).transforms
+        }
         layouts = {index: catalog.known_layout(index, catalog.item_for_rank(index, self.rank)) for index in indices}
         missing = [index for index, layout in layouts.items() if layout is None]
         def probe(index: Any) -> TensorLayout:
@@ -336,15 +349,9 @@ class ShardReader(StorageReader):
         index = read_item.storage_index
         stored = catalog.item_for_rank(index, self.rank)
         where = self._where(stored.relative_path, index.fqn)
-        if read_item.type == LoadItemType.BYTE_IO:
-            request, buf = bytes_request(stored, index.fqn, where, self.verify_checksums)
-            commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(buf)))
-            return [request]
-        dest = planner.resolve_tensor(read_item).detach()
-        if tuple(dest.shape) != tuple(read_item.lengths):
-            raise CheckpointError(
-                f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
-            )
+        if read_item.type == LoadItemType.BYTE_IO or stored.transforms:
+            return [self._plan_whole_record(stored, read_item, planner, where, commits)]
+        dest = self._destination(read_item, planner, where)
         commits.append(lambda: planner.commit_tensor(read_item, dest))
         return tensor_requests(
             stored,
@@ -356,6 +363,34 @@ class ShardReader(StorageReader):
             where,
             self.verify_checksums,
         )
+
+    def _plan_whole_record(
+        self, stored: StoredItem, read_item: ReadItem, planner: LoadPlanner, where: str, commits: list[Callable[[], None]]
+    ) -> Request:
+        """Bytes items and records stored through stream transforms are read whole; a
+        transformed record is decoded once it lands, then delivered like a plain one."""
+        if stored.transforms:
+            limit = record_limit(self._require_catalog().chunk_nbytes(read_item.storage_index))
+            request, record = transformed_request(stored, read_item.storage_index.fqn, where, self.verify_checksums, limit)
+        else:
+            request, buf = bytes_request(stored, read_item.storage_index.fqn, where, self.verify_checksums)
+            record = [buf]
+        if read_item.type == LoadItemType.BYTE_IO:
+            commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(record[0])))
+            return request
+        dest = self._destination(read_item, planner, where)
+        box = (tuple(read_item.storage_offsets), tuple(read_item.lengths))
+        commits.append(lambda: copy_record_box(record[0], *box, dest, where, self.verify_checksums))
+        commits.append(lambda: planner.commit_tensor(read_item, dest))
+        return request
+
+    def _destination(self, read_item: ReadItem, planner: LoadPlanner, where: str) -> torch.Tensor:
+        dest = planner.resolve_tensor(read_item).detach()
+        if tuple(dest.shape) != tuple(read_item.lengths):
+            raise CheckpointError(
+                f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
+            )
+        return dest
 
     # -- execution -----------------------------------------------------------------------
     def _execute(self, requests: list[Request]) -> tuple[int, set[str]]:

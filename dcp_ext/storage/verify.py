@@ -6,6 +6,8 @@ bounded blocks, and reports every fault it finds instead of stopping at the firs
 
 from __future__ import annotations
 
+import io
+import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
+from dcp_ext.formats.transforms import decode, record_limit
 from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.storage.commit import DATA_FILE
@@ -130,6 +133,9 @@ def _check_item(  # noqa: ANN001
     if item.checksum is not None:
         value = _stream_crc(reader, item.offset, item.length, crc32c.crc32c)
         expected, algorithm = item.checksum, "crc32c"
+    elif item.transforms:  # a stock compressed record: the zip CRC-32s inside the decoded record
+        where = f"{location.url}: file {item.relative_path!r} key {index.fqn!r}"
+        return _transformed_fault(reader, item, where, record_limit(catalog.chunk_nbytes(index)))
     elif index.offset is not None:  # stock tensor record: the zip entry CRC-32
         try:
             layout = catalog.parse_layout(location, index)  # the index does not keep the zip CRC
@@ -142,6 +148,17 @@ def _check_item(  # noqa: ANN001
     if value != expected:
         return f"{algorithm} mismatch (recorded {expected:#010x}, read {value:#010x})"
     return None
+
+
+def _transformed_fault(reader, item: StoredItem, where: str, limit: int) -> str | None:  # noqa: ANN001
+    stored = bytearray(item.length)
+    reader.read_into(item.offset, [memoryview(stored)])
+    try:
+        record = decode(item.transforms, stored, where, limit)
+        bad = zipfile.ZipFile(io.BytesIO(record)).testzip() if zipfile.is_zipfile(io.BytesIO(record)) else None
+    except (CheckpointError, zipfile.BadZipFile, zlib.error) as exc:
+        return str(exc)
+    return None if bad is None else f"crc32 mismatch in record entry {bad!r} after undoing {list(item.transforms)}"
 
 
 def _stream_crc(reader, offset: int, length: int, update: Callable[..., int]) -> int:  # noqa: ANN001
