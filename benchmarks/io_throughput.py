@@ -463,8 +463,32 @@ def measure_loads(
 # ----------------------------------------------------------------------------- phases
 
 
+def measure_compression(cfg: Config, group: Group, state: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """ShardWriter(compression="zstd") against the plain ShardWriter checkpoint just saved:
+    stored size, save throughput, warm load throughput (same thread count, fsync on)."""
+    threads, path = max(cfg.threads), cfg.ckpt("ckpt_zstd")
+    save_s, load_s = [], []
+    for _ in range(cfg.repeat):
+        if group.rank == 0 and path.exists():
+            shutil.rmtree(path)
+        drop_caches(group)
+        writer = ShardWriter(path, thread_count=threads, sync_files=True, compression="zstd")
+        save_s.append(timed(group, lambda: dcp.save(state, storage_writer=writer, no_dist=group.no_dist)))
+    warm_cache(group, path)
+    for _ in range(cfg.repeat):
+        reader = ShardReader(path, cache_metadata=False)
+        load_s.append(timed(group, lambda: dcp.load(dst, storage_reader=reader, no_dist=group.no_dist)))
+
+    def stored(directory: Path) -> int:
+        return sum(f.stat().st_size for f in directory.glob("*.distcp"))
+
+    return {"threads": threads, "stored_bytes": stored(path), "plain_stored_bytes": stored(cfg.ckpt("ckpt_ours")),
+            "save": summary(save_s, cfg.total_bytes), "load_warm": summary(load_s, cfg.total_bytes),
+            "verified": verify(group, dst, state)}
+
+
 def phase_main(cfg: Config, group: Group) -> dict[str, Any]:
-    """(a) ceilings, (b) saves and (c) loads at ``cfg.procs`` ranks."""
+    """(a) ceilings, (b) saves and (c) loads at ``cfg.procs`` ranks, (d) zstd's trade-off."""
     state = make_state(cfg, group, filled=True)
     local_bytes = sum(local_view(t).nbytes for t in state.values())
     cold_ok = drop_caches(group)
@@ -473,7 +497,8 @@ def phase_main(cfg: Config, group: Group) -> dict[str, Any]:
     ckpts = {"stock-written": cfg.ckpt("ckpt_stock"), "ours-written": cfg.ckpt("ckpt_ours")}
     modes = ("cold", "warm") if cold_ok else ("warm",)
     loads = measure_loads(cfg, group, ckpts, modes, make_state(cfg, group, filled=False), state, cfg.repeat)
-    return {"cold_available": cold_ok, "ceilings": ceilings, "save": saves, "load": loads}
+    compression = measure_compression(cfg, group, state, make_state(cfg, group, filled=False))
+    return {"cold_available": cold_ok, "ceilings": ceilings, "save": saves, "load": loads, "compression": compression}
 
 
 def phase_split(cfg: Config, group: Group) -> dict[str, Any]:
@@ -605,6 +630,17 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
     print_table("Load into preallocated tensors, GB/s (raw = sequential read in the same cache state)",
                 ["mode / checkpoint", "stock", "ours", "ours/stock", "stock/raw", "ours/raw", "target", "verified"],
                 rows)
+
+    zstd = main["compression"]
+    plain_save = main["save"][str(zstd["threads"])]["ours"]["gbps"]
+    plain_load = main["load"]["warm"]["ours-written"]["ours"]["gbps"]
+    print_table(
+        f"ShardWriter(compression='zstd') vs plain, {zstd['threads']} writer threads (GB/s of tensor bytes)",
+        ["case", "stored GB", "x plain size", "save GB/s", "x plain save", "warm load GB/s", "x plain load", "verified"],
+        [["zstd", fmt(zstd["stored_bytes"] / GB, ".3f"), fmt(ratio(zstd["stored_bytes"], zstd["plain_stored_bytes"]), ".3f"),
+          fmt(zstd["save"]["gbps"]), fmt(ratio(zstd["save"]["gbps"], plain_save)), fmt(zstd["load_warm"]["gbps"]),
+          fmt(ratio(zstd["load_warm"]["gbps"], plain_load)), "yes" if zstd["verified"] else "NO"]],
+    )
 
     rows = []
     for case in ("split", "merge"):

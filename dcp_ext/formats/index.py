@@ -53,6 +53,7 @@ _SCHEMA = pa.schema(
         ("payload_offset", pa.int64()),
         ("checksum", pa.uint32()),
         ("copy", pa.bool_()),  # an extra TP-replica copy of the chunk (dcp_ext.planning.locality)
+        ("transforms", pa.dictionary(pa.int32(), pa.string())),  # DCP stream transforms, ","-joined; null: none
     ]
 )
 
@@ -204,8 +205,6 @@ class _Rows:
         dtypes = sorted({facts[0] for facts in self.tensors.values()})
         dtype_of_key = np.array([dtypes.index(self.tensors[n][0]) if n in self.tensors else 0 for n in self.names] or [0], np.int8)
         files, offset, length, payload, checksum, transforms = zip(*self.stored) if self.stored else ((),) * 6
-        if any(transforms):  # the index has no column for them; our writer stores plain records
-            raise ValueError("the index cannot record stream-transformed items")
         file_codes: dict[str, int] = {}
         file_column = np.array([file_codes.setdefault(f, len(file_codes)) for f in files], np.int32)
         return [
@@ -221,6 +220,7 @@ class _Rows:
             pa.array(payload, pa.int64()),
             pa.array(checksum, pa.uint32()),
             pa.array(self.copy, pa.bool_()),
+            pa.array([",".join(t) if t else None for t in transforms], pa.string()).dictionary_encode(),
         ]
 
 
@@ -265,6 +265,8 @@ def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
             raise ValueError(f"format {header.get('format')!r}, expected {INDEX_FORMAT!r}")
         if "copy" not in table.column_names:  # written before TP-replica copies existed
             table = table.append_column("copy", pa.array([False] * table.num_rows))
+        if "transforms" not in table.column_names:  # written before compressed records existed
+            table = table.append_column("transforms", pa.nulls(table.num_rows, _SCHEMA.field("transforms").type))
         columns = _Columns.read(table.select(_SCHEMA.names).cast(_SCHEMA))
         return _build(header, _Keys.read(header, source), columns, source)
     except CheckpointError:
@@ -336,6 +338,8 @@ class _Columns:
     checksum: np.ndarray  # uint32; meaningless where has_checksum is False
     has_checksum: np.ndarray
     copy: np.ndarray
+    transforms: np.ndarray  # code into transform_names; -1: none
+    transform_names: list[Any]
     nulls: dict[str, int]
 
     @classmethod
@@ -361,6 +365,8 @@ class _Columns:
             checksum=_values(col["checksum"], np.uint32),
             has_checksum=_valid(col["checksum"]),
             copy=_numpy(col["copy"]).astype(bool) & _valid(col["copy"]),
+            transforms=_codes_or_minus_one(col["transforms"]),
+            transform_names=col["transforms"].dictionary.to_pylist(),
             nulls={
                 **{name: col[name].null_count for name in ("fqn", "file", "offset", "length", "payload_offset")},
                 "box values": off.values.null_count + size.values.null_count,
@@ -375,6 +381,13 @@ def _numpy(array: pa.Array) -> np.ndarray:
 def _values(array: pa.Array, dtype: type) -> np.ndarray:
     """A primitive column's value buffer, nulls included as whatever bytes they hold."""
     return np.frombuffer(array.buffers()[1], dtype)[array.offset : array.offset + len(array)]
+
+
+def _codes_or_minus_one(array: pa.DictionaryArray) -> np.ndarray:
+    """A dictionary column's codes, -1 where null (an all-null column may have no buffer)."""
+    if array.null_count == len(array):
+        return np.full(len(array), -1, np.int32)
+    return np.where(_valid(array), _values(array.indices, np.int32), -1)
 
 
 def _valid(array: pa.Array) -> np.ndarray:
@@ -448,7 +461,8 @@ def _check_boxes(
         numel[has] = np.multiply.reduceat(size.astype(np.float64), (np.cumsum(elems) - elems)[has])
     need = numel * keys.itemsize[key[rows]]
     payload, offset, length = cols.payload[rows], cols.offset[rows], cols.length[rows]
-    short = (need > length) | ((payload >= 0) & (payload + need > offset + length))
+    plain = cols.transforms[rows] < 0  # a compressed record may be any size; decoding is bounded
+    short = plain & ((need > length) | ((payload >= 0) & (payload + need > offset + length)))
     if np.any(short):
         n = int(np.argmax(short))
         row = int(rows[n])
@@ -552,9 +566,10 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
         if item is None:  # a read asks for its item several times: build it once
             cols = self._cols
             checksum = cols.checksum.item(row) if cols.has_checksum.item(row) else None
+            code = cols.transforms.item(row)
             item = StoredItem(
                 cols.file_names[cols.file.item(row)], cols.offset.item(row), cols.length.item(row), cols.payload.item(row),
-                checksum,
+                checksum, _transform_names(cols.transform_names[code]) if code >= 0 else (),
             )
             self._made[row] = item
         return item
@@ -655,3 +670,9 @@ def torch_sizes(values: np.ndarray) -> Iterable[torch.Size]:
     if len(values) and bool(np.all(values == values[0])):
         return itertools.repeat(torch.Size(values[0].tolist()), len(values))
     return map(torch.Size, values.tolist())
+
+
+def _transform_names(joined: object) -> tuple[str, ...]:
+    if not isinstance(joined, str) or not joined:
+        raise CorruptCheckpointError(f"index names stream transforms {joined!r}, expected descriptor names")
+    return tuple(joined.split(","))

@@ -11,11 +11,13 @@ and last few KiB go through the reader's zip parser.)
 from __future__ import annotations
 
 import io
-from typing import IO
+from collections.abc import Callable
+from typing import IO, cast
 
 import crc32c
 import numpy as np
 import torch
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import PROBE_BYTES, parse_tensor_record
@@ -79,13 +81,14 @@ class RecordSink:
             return bytes(self._tail[offset - tail_start : offset - tail_start + n])
         raise AssertionError("record header not captured")  # zip headers always sit at the ends
 
-    def finish(self, relative_path: str, payload_offset: int) -> StoredItem:
+    def finish(self, relative_path: str, payload_offset: int, transforms: tuple[str, ...] = ()) -> StoredItem:
         return StoredItem(
             relative_path,
             self._start,
             self.record_length,
             payload_offset,
             self._crc if self.checksums else None,
+            transforms,
         )
 
 
@@ -111,8 +114,12 @@ def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def write_tensor(sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str) -> StoredItem:
+def write_tensor(
+    sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str, transform: StreamTransformExtension | None = None
+) -> StoredItem:
     tensor = dense_cpu(tensor)
+    if transform is not None:
+        return _write_transformed(sink, relative_path, transform, lambda stream: torch.save(tensor, stream))
     sink.begin(tensor if tensor.nbytes else None)
     torch.save(tensor, sink)
     payload_offset = sink.payload_offset
@@ -121,7 +128,23 @@ def write_tensor(sink: RecordSink, relative_path: str, tensor: torch.Tensor, whe
     return sink.finish(relative_path, sink.record_start + payload_offset)
 
 
-def write_bytes(sink: RecordSink, relative_path: str, data: io.BytesIO) -> StoredItem:
+def write_bytes(
+    sink: RecordSink, relative_path: str, data: io.BytesIO, transform: StreamTransformExtension | None = None
+) -> StoredItem:
+    if transform is not None:
+        return _write_transformed(sink, relative_path, transform, lambda stream: stream.write(data.getbuffer()))
     sink.begin()
     sink.write(data.getbuffer())
     return sink.finish(relative_path, -1)
+
+
+def _write_transformed(
+    sink: RecordSink, relative_path: str, transform: StreamTransformExtension, write: Callable[[IO[bytes]], object]
+) -> StoredItem:
+    """A record passed through a DCP stream transform (as stock ``_extensions`` do): the
+    checksum covers the stored (transformed) bytes; there is no addressable payload."""
+    sink.begin()
+    stream = transform.transform_to(cast(IO[bytes], sink))
+    write(stream)
+    stream.close()  # ends the compressed frame; the sink itself stays open
+    return sink.finish(relative_path, -1, (transform.get_descriptor(),))
