@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from dcp_ext.storage.commit import DATA_FILE
+from dcp_ext.formats.data_files import is_data_file
 from mp import assert_state_dict_equal, garbage_like, run_job
 
 SPECS = {
@@ -340,7 +340,7 @@ def failure_job(rank: int, world: int, base: str, executor: AsyncCheckpointerTyp
     _load(path, mesh, 3, f"{where} after recovering")
     reader = ShardReader(path, cache_metadata=False)
     reader.read_metadata()
-    on_disk = {name for name in os.listdir(path) if DATA_FILE.match(name)}
+    on_disk = {name for name in os.listdir(path) if is_data_file(name)}
     assert on_disk == {item.relative_path for item in reader.catalog.items.values()}, (where, on_disk)
 
 

@@ -12,7 +12,7 @@ from conftest import assert_state_equal, load, load_error, sample_state, save
 
 from dcp_ext import ShardReader, clear_metadata_cache
 from dcp_ext.storage.catalog import METADATA_CACHE
-from dcp_ext.storage.commit import DATA_FILE
+from dcp_ext.formats.data_files import is_data_file
 
 
 def test_many_readers_read_the_metadata_once(tmp_path):
@@ -170,10 +170,10 @@ def _copy_over_in_place(source, target, restore: dict[str, tuple[int, int, int]]
     """What ``rsync --inplace -t`` or untarring over a directory does: the metadata files are
     rewritten into the same inodes and get their old mtimes back; data files are replaced."""
     for name in os.listdir(target):
-        if DATA_FILE.match(name):
+        if is_data_file(name):
             os.remove(os.path.join(target, name))
     for name in os.listdir(source):
-        if DATA_FILE.match(name):
+        if is_data_file(name):
             shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
     for name in STAT_NAMES:
         with open(os.path.join(source, name), "rb") as src, open(os.path.join(target, name), "r+b") as dst:
@@ -201,7 +201,7 @@ def test_a_load_that_finds_a_data_file_missing_drops_the_cached_metadata(tmp_pat
     state = sample_state(1)
     save(state, tmp_path)
     load(state, tmp_path)  # cached
-    name = sorted(n for n in os.listdir(tmp_path) if DATA_FILE.match(n))[0]
+    name = sorted(n for n in os.listdir(tmp_path) if is_data_file(n))[0]
     os.rename(tmp_path / name, tmp_path / "aside")
     assert "data file is missing" in str(load_error(state, tmp_path))
     os.rename(tmp_path / "aside", tmp_path / name)  # e.g. a slow network filesystem caught up

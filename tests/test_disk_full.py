@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItem
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter, StorageFullError
-from dcp_ext.storage.commit import DATA_FILE, TEMP_FILE
+from dcp_ext.formats.data_files import is_data_file
+from dcp_ext.storage.commit import TEMP_FILE
 from mp import run_job
 
 DISK_BYTES = 1 << 20  # the tmpfs; every checkpoint below is sized against it
@@ -87,7 +88,7 @@ def assert_only_committed(path: str) -> None:
     """Nothing of a failed save is left: only the live checkpoint's data files, no temps."""
     names = os.listdir(path)
     assert not [n for n in names if TEMP_FILE.match(n)], names
-    assert {n for n in names if DATA_FILE.match(n)} == committed_files(path), names
+    assert {n for n in names if is_data_file(n)} == committed_files(path), names
 
 
 def save_error(sd: dict, path: str, **writer_kwargs) -> BaseException:

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
-from dcp_ext.storage.commit import CRASH_ENV, DATA_FILE
+from dcp_ext.formats.data_files import is_data_file
+from dcp_ext.storage.commit import CRASH_ENV
 from dcp_ext.storage.verify import verify_checkpoint
 from mp import WorkerError, run_job
 
@@ -82,7 +83,7 @@ def check_after_crash(path, expect: str, old_id: str | None) -> None:
     save(fresh, path, thread_count=2)
     assert_state_equal(load(fresh, path, cache_metadata=False)[0], fresh)
     names = set(os.listdir(path))
-    assert {n for n in names if DATA_FILE.match(n)} == committed_files(path)  # crashed save cleaned up
+    assert {n for n in names if is_data_file(n)} == committed_files(path)  # crashed save cleaned up
     assert names - committed_files(path) == {".metadata", INDEX_NAME, MARKER_NAME}
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from dcp_ext.formats.data_files import saving_rank
 from dcp_ext.formats.index import dtype_name
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.describe import describe_source
@@ -27,7 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stats", action="store_true", help="add where the bytes are: per rank file, per rank, copies, largest tensors"
     )
 
-_RANK_FILE = re.compile(r"^__(\d+)_")
 LARGEST = 10
 
 
@@ -75,8 +74,8 @@ def storage_stats(catalog: Catalog, keys: list[dict[str, Any]]) -> dict[str, Any
         entry["bytes"] += item.length
     per_rank: dict[int, int] = {}  # -1: files no rank prefix names
     for name, entry in files.items():
-        match = _RANK_FILE.match(name)
-        rank = int(match.group(1)) if match else -1
+        rank = saving_rank(name)
+        rank = -1 if rank is None else rank
         per_rank[rank] = per_rank.get(rank, 0) + entry["bytes"]
     copies = [c for group in catalog.copies.values() for c in group]
     largest = sorted((k for k in keys if k["kind"] == "tensor"), key=lambda k: -k["bytes"])[:LARGEST]

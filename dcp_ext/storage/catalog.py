@@ -25,6 +25,7 @@ import crc32c
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.data_files import rank_prefix
 from dcp_ext.formats.index import INDEX_NAME, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
@@ -89,7 +90,7 @@ class Catalog:
     def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
         """The copy of an item in ``rank``'s own data files if one exists, else the canonical one."""
         canonical = self.item(index)
-        own = f"__{rank}_"
+        own = rank_prefix(rank)
         if canonical.relative_path.startswith(own):
             return canonical
         return next((c for c in self.copies.get(index, ()) if c.relative_path.startswith(own)), canonical)

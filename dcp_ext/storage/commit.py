@@ -35,14 +35,13 @@ import signal
 from collections.abc import Callable
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.formats.data_files import is_data_file, save_token
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
 from dcp_ext.storage.location import Location
 
 CRASH_ENV = "DCP_EXT_CRASH_AT"
-DATA_FILE = re.compile(r"^__\d+_[^/]*\.distcp$")
-SAVE_DATA_FILE = re.compile(r"^__\d+_(?P<token>[0-9a-f]{12})_\d+\.distcp$")  # ours; stock names have no token
 TEMP_FILE = re.compile(r"^\.(metadata|dcp_ext_index\.parquet|dcp_ext_commit)\.[0-9a-f]+\.tmp$")
 
 
@@ -97,12 +96,6 @@ def temp_name(name: str, save_id: str) -> str:
     return f"{name}.{save_id[:12]}.tmp"
 
 
-def save_token(name: str) -> str | None:
-    """The save token in one of our data file names, else None."""
-    match = SAVE_DATA_FILE.match(name)
-    return match["token"] if match else None
-
-
 def discard_save(location: Location, token: str, save_id: str = "", remove_dir: bool = False) -> list[str]:
     """Remove what an uncommitted save wrote: every rank's data files with its ``token`` and
     its temporary files; then the directory when the save created it and it is empty."""
@@ -149,7 +142,7 @@ def remove_unreferenced(location: Location, referenced: set[str]) -> list[str]:
     """Delete data and temp files that the committed metadata does not reference."""
     removed = []
     for name in location.listdir():
-        if (DATA_FILE.match(name) and name not in referenced) or TEMP_FILE.match(name):
+        if (is_data_file(name) and name not in referenced) or TEMP_FILE.match(name):
             location.remove(name)
             removed.append(name)
             crash_point("mid-cleanup")

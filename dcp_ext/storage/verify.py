@@ -21,7 +21,7 @@ from dcp_ext.formats.torch_record import numel
 from dcp_ext.formats.transforms import decode, record_limit
 from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
-from dcp_ext.storage.commit import DATA_FILE
+from dcp_ext.formats.data_files import is_data_file
 from dcp_ext.storage.location import Location
 
 BLOCK_BYTES = 16 << 20
@@ -93,7 +93,7 @@ def verify_checkpoint(
         for stored in (item, *catalog.copies.get(index, ())):
             by_file.setdefault(stored.relative_path, []).append((index, stored))
     report.files = len(by_file)
-    report.unreferenced_files = sorted(n for n in location.listdir() if DATA_FILE.match(n) and n not in by_file)
+    report.unreferenced_files = sorted(n for n in location.listdir() if is_data_file(n) and n not in by_file)
     total = sum(item.length for entries in by_file.values() for _, item in entries)
     done = 0
     for name, entries in sorted(by_file.items()):

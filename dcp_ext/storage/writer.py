@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CheckpointExistsError, InvalidRequestError
+from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.formats.gc_pause import gc_paused
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.formats.torch_record import numel
@@ -41,9 +42,8 @@ class FilePrefix:
     token: str  # new per save: names every data file of it, so a failed save's files are known
     created_dir: bool  # the save created its directory: a failed save removes it when empty
 
-    @property
-    def prefix(self) -> str:
-        return f"__{self.rank}_{self.token}_"
+    def file_name(self, n: int) -> str:
+        return data_file_name(self.rank, self.token, n)
 
 
 def default_thread_count() -> int:
@@ -243,7 +243,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         if buckets:
             with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix="dcp_ext-write") as pool:
                 futures = [
-                    pool.submit(self._write_file, f"{prefix.prefix}{n}.distcp", bucket, planner)
+                    pool.submit(self._write_file, prefix.file_name(n), bucket, planner)
                     for n, bucket in enumerate(buckets)
                 ]
                 for future in futures:
