@@ -14,6 +14,7 @@ from dcp_ext.observe import LoadReport, SaveReport, add_report_callback, remove_
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict, with_checkpoint_placements
 from dcp_ext.planning.planners import ShardLoadPlanner, ShardSavePlanner
 from dcp_ext.planning.replica_check import ReplicaMismatchError
+from dcp_ext.runtime.lru import clear_caches
 from dcp_ext.storage.catalog import clear_metadata_cache
 from dcp_ext.storage.reader import ReadStats, ShardReader
 from dcp_ext.storage.writer import ShardWriter
@@ -37,6 +38,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "add_report_callback",
     "checkpoint_state_dict",
+    "clear_caches",
     "clear_metadata_cache",
     "export_safetensors",
     "remove_report_callback",

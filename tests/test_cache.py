@@ -51,7 +51,7 @@ def test_cache_disabled_bypasses_the_cache_entirely(tmp_path):
     save(state, tmp_path)
     readers = [load(state, tmp_path, cache_metadata=False)[1] for _ in range(3)]
     assert [r.stats.metadata_reads for r in readers] == [1, 1, 1]
-    assert not METADATA_CACHE._entries
+    assert not len(METADATA_CACHE._catalogs)
 
 
 def test_clear_metadata_cache_forces_a_new_read(tmp_path):
@@ -63,10 +63,10 @@ def test_clear_metadata_cache_forces_a_new_read(tmp_path):
 
 
 def test_cache_is_bounded(tmp_path):
-    for n in range(METADATA_CACHE.max_entries + 3):
+    for n in range(METADATA_CACHE._catalogs.capacity + 3):
         save({"t": torch.tensor([n])}, tmp_path / str(n))
         ShardReader(tmp_path / str(n)).read_metadata()
-    assert len(METADATA_CACHE._entries) == METADATA_CACHE.max_entries
+    assert len(METADATA_CACHE._catalogs) == METADATA_CACHE._catalogs.capacity
 
 
 def test_stock_checkpoint_metadata_is_cached_too(tmp_path):
@@ -208,3 +208,23 @@ def test_a_load_that_finds_a_data_file_missing_drops_the_cached_metadata(tmp_pat
     got, reader = load(state, tmp_path)
     assert reader.stats.metadata_reads == 1  # read again, not trusted from the cache
     assert_state_equal(got, state)
+
+
+def test_clear_caches_empties_every_cache(tmp_path):
+    """One call forgets parsed metadata, Megatron sources and global save plans."""
+    from megatron_fixtures import write_zarr
+
+    from dcp_ext import clear_caches
+    from dcp_ext.megatron.detect import SOURCES
+    from dcp_ext.planning import plan_cache
+    from dcp_ext.storage.catalog import METADATA_CACHE
+
+    save(sample_state(), tmp_path / "dcp")
+    (tmp_path / "zarr").mkdir()
+    want = write_zarr(str(tmp_path / "zarr"))
+    load(sample_state(), tmp_path / "dcp")
+    ShardReader(tmp_path / "zarr").read_metadata()
+    assert len(METADATA_CACHE._catalogs) == 1 and len(SOURCES) == 1 and len(plan_cache._plans) == 1
+    clear_caches()
+    assert len(METADATA_CACHE._catalogs) == len(SOURCES) == len(plan_cache._plans) == 0
+    assert want  # the zarr checkpoint was real

@@ -8,8 +8,6 @@ file's pickle, so sources are cached per process and revalidated by file signatu
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions, MegatronSource
@@ -17,6 +15,7 @@ from dcp_ext.megatron.legacy import LegacySource
 from dcp_ext.megatron.legacy_layout import is_legacy, list_dir
 from dcp_ext.megatron.torch_dist import METADATA_JSON, read_metadata_json
 from dcp_ext.megatron.zarr_format import ZarrSource, has_zarr_arrays
+from dcp_ext.runtime.lru import Lru
 from dcp_ext.storage.location import Location
 
 DCP_METADATA = ".metadata"
@@ -41,35 +40,7 @@ def detect_format(location: Location) -> str | None:
     return None
 
 
-class SourceCache:
-    """Small LRU of built sources keyed by directory and options, checked by signature."""
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[tuple[Any, ...], MegatronSource] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def get(self, key: tuple[Any, ...]) -> MegatronSource | None:
-        with self._lock:
-            source = self._entries.get(key)
-        if source is None or source.signature() != getattr(source, "_signature", None):
-            return None
-        with self._lock:
-            self._entries.move_to_end(key)
-        return source
-
-    def put(self, key: tuple[Any, ...], source: MegatronSource) -> None:
-        source._signature = source.signature()  # type: ignore[attr-defined]
-        with self._lock:
-            self._entries[key] = source
-            while len(self._entries) > _MAX_SOURCES:
-                self._entries.popitem(last=False)
-
-
-SOURCES = SourceCache()
+SOURCES: Lru[tuple[tuple[Any, ...], MegatronSource]] = Lru(_MAX_SOURCES)  # (files' signature when built, source)
 
 
 def open_source(location: Location, options: MegatronOptions, cached: bool = True) -> MegatronSource | None:
@@ -78,9 +49,10 @@ def open_source(location: Location, options: MegatronOptions, cached: bool = Tru
     if kind not in ("zarr", "legacy"):
         return None
     key = (location.cache_key(), kind, options.cache_key())
-    source = SOURCES.get(key) if cached else None
-    if source is None:
-        source = ZarrSource(location, options) if kind == "zarr" else LegacySource(location, options)
-        if cached:
-            SOURCES.put(key, source)
+    entry = SOURCES.get(key, lambda built: built[1].signature() == built[0]) if cached else None
+    if entry is not None:
+        return entry[1]
+    source = ZarrSource(location, options) if kind == "zarr" else LegacySource(location, options)
+    if cached:
+        SOURCES.put(key, (source.signature(), source))
     return source

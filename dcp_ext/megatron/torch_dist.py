@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,7 @@ from dcp_ext.formats.torch_record import TensorLayout, numel
 from dcp_ext.megatron.base import Box, IncompleteSaveError, MegatronOptions, tensor_metadata
 from dcp_ext.megatron.flat_range import flat_index, flat_range_boxes
 from dcp_ext.megatron.tp_replica import merge_tp_replica_keys
+from dcp_ext.runtime.lru import Lru
 from dcp_ext.storage.location import Location
 
 if TYPE_CHECKING:
@@ -35,8 +35,7 @@ COMMON_STATE_PREFIX = "common_state/shard_"
 REFORMULATED = "nd_reformulated_orig_global_shape"
 _PROBE_THREADS = 8
 
-_views: dict[int, tuple[Catalog, Catalog]] = {}  # id(raw catalog) -> (raw, view); raw kept alive
-_views_lock = threading.Lock()
+_VIEWS: Lru[tuple[Catalog, Catalog]] = Lru(16)  # id(raw catalog) -> (raw, view); raw kept alive
 
 
 def is_megatron_catalog(location: Location, catalog: Catalog) -> bool:
@@ -86,9 +85,8 @@ def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptio
     if not is_megatron_catalog(location, catalog):
         return catalog
     check_complete(location, "torch_dist", options)
-    with _views_lock:
-        cached = _views.get(id(catalog))
-    if cached is not None and cached[0] is catalog:
+    cached = _VIEWS.get(id(catalog), lambda entry: entry[0] is catalog)
+    if cached is not None:
         return cached[1]
     shapes = {
         key: tuple(data[REFORMULATED])
@@ -97,10 +95,7 @@ def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptio
     }
     view = _restore_flattened(location, catalog, shapes) if shapes else catalog
     view = merge_tp_replica_keys(view)
-    with _views_lock:
-        if len(_views) >= 16:
-            _views.pop(next(iter(_views)))
-        _views[id(catalog)] = (catalog, view)
+    _VIEWS.put(id(catalog), (catalog, view))
     return view
 
 

@@ -10,35 +10,24 @@ it looks at data, not layout.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Hashable
 
 from dcp_ext.planning.global_plan import GlobalPlan
+from dcp_ext.runtime.lru import Lru
 
 CAPACITY = 2  # a training job alternates between few layouts (e.g. model-only vs full)
 
-_lock = threading.Lock()
-_plans: OrderedDict[Hashable, GlobalPlan] = OrderedDict()
+_plans: Lru[GlobalPlan] = Lru(CAPACITY)  # the key is the check: no further validation
 
 
 def cached_plan(key: Hashable) -> GlobalPlan | None:
-    with _lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-        return plan
+    return _plans.get(key)
 
 
 def remember_plan(key: Hashable, plan: GlobalPlan) -> None:
-    with _lock:
-        _plans[key] = plan
-        _plans.move_to_end(key)
-        while len(_plans) > CAPACITY:
-            _plans.popitem(last=False)
+    _plans.put(key, plan)
 
 
 def clear_plan_cache() -> None:
     """Forget every cached global save plan (the next save plans from scratch)."""
-    with _lock:
-        _plans.clear()
+    _plans.clear()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel, parse_tensor_record
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
+from dcp_ext.runtime.lru import Lru, clear_caches
 from dcp_ext.storage.location import Location
 
 METADATA_NAME = ".metadata"
@@ -213,38 +213,20 @@ class MetadataCache:
     """Thread-safe LRU of parsed catalogs, one read per checkpoint version per process."""
 
     def __init__(self, max_entries: int = 16):
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[tuple[Any, ...], Catalog]] = OrderedDict()
+        self._catalogs: Lru[Catalog] = Lru(max_entries)  # each valid while its signature holds
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._key_locks.clear()
+        self._catalogs.clear()
 
     def evict(self, location: Location, signature: tuple[Any, ...]) -> None:
         """Forget the entry of ``location`` if it still has ``signature``: a load found one of
         its data files missing, so the entry may be stale in a way no signature showed."""
-        with self._lock:
-            entry = self._entries.get(location.cache_key())
-            if entry is not None and entry[0] == signature:
-                del self._entries[location.cache_key()]
-
-    def _lookup(self, key: str, signature: tuple[Any, ...]) -> Catalog | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry[0] != signature:
-                return None
-            self._entries.move_to_end(key)
-            return entry[1]
-
-    def _store(self, key: str, signature: tuple[Any, ...], catalog: Catalog) -> None:
-        with self._lock:
-            self._entries[key] = (signature, catalog)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+        key = location.cache_key()
+        catalog = self._catalogs.get(key)
+        if catalog is not None and catalog.signature == signature:
+            self._catalogs.discard(key, catalog)
 
     def open(
         self,
@@ -262,12 +244,13 @@ class MetadataCache:
         with key_lock:
             catalog = None
             for _ in range(_SIGNATURE_RETRIES):
-                hit = self._lookup(key, signature(location))
+                current = signature(location)
+                hit = self._catalogs.get(key, lambda cached: cached.signature == current)
                 if hit is not None:
                     return hit, False
                 catalog = read(location)
                 if signature(location) == catalog.signature:  # not rewritten while we read
-                    self._store(key, catalog.signature, catalog)
+                    self._catalogs.put(key, catalog)
                     return catalog, True
             assert catalog is not None
             return catalog, True
@@ -277,5 +260,6 @@ METADATA_CACHE = MetadataCache()
 
 
 def clear_metadata_cache() -> None:
-    """Forget every cached checkpoint metadata in this process."""
-    METADATA_CACHE.clear()
+    """Forget everything cached in this process (an alias of ``dcp_ext.clear_caches``,
+    kept for code written before there was one cache class)."""
+    clear_caches()

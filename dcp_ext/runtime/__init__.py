@@ -1,0 +1,1 @@
+"""Process-level helpers the other layers share (caches), free of checkpoint formats."""
