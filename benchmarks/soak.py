@@ -37,7 +37,7 @@ from conftest import assert_state_equal, load, save  # noqa: E402
 from test_reliability_corruption import corrupt, stored_items  # noqa: E402
 
 from dcp_ext import CheckpointError  # noqa: E402
-from dcp_ext.storage.commit import CRASH_ENV  # noqa: E402
+from dcp_ext.runtime.crash import CRASH_ENV  # noqa: E402
 from dcp_ext.storage.verify import verify_checkpoint  # noqa: E402
 
 PHASES = ["before-data", "mid-file", "after-file", "after-data", "before-commit", "after-index", "before-marker", "mid-cleanup"]

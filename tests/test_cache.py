@@ -118,7 +118,7 @@ def test_index_loaded_metadata_equals_the_pickle(tmp_path):
 def test_gc_pause_nests_and_restores_the_collector():
     import gc
 
-    from dcp_ext.formats.gc_pause import gc_paused
+    from dcp_ext.runtime.gc_pause import gc_paused
 
     assert gc.isenabled()
     with gc_paused():

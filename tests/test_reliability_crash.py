@@ -27,7 +27,7 @@ from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.data_files import is_data_file
-from dcp_ext.storage.commit import CRASH_ENV
+from dcp_ext.runtime.crash import CRASH_ENV
 from dcp_ext.storage.verify import verify_checkpoint
 from mp import WorkerError, run_job
 

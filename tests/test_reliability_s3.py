@@ -27,7 +27,7 @@ from moto import server as moto_server
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.marker import MARKER_NAME
-from dcp_ext.storage.commit import CRASH_ENV
+from dcp_ext.runtime.crash import CRASH_ENV
 from dcp_ext.storage.verify import verify_checkpoint
 from mp import WorkerError, run_job
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
-from dcp_ext.formats.gc_pause import gc_paused
+from dcp_ext.runtime.gc_pause import gc_paused
 
 INDEX_NAME = ".dcp_ext_index.parquet"
 INDEX_FORMAT = "dcp_ext-index/1"

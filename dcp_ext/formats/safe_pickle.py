@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import planner as dcp_planner
 
 from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
-from dcp_ext.formats.gc_pause import gc_paused
+from dcp_ext.runtime.gc_pause import gc_paused
 
 _METADATA_CLASSES = (
     "Metadata",

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.errors import InvalidRequestError
-from dcp_ext.formats.gc_pause import gc_paused
+from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.formats.index import torch_sizes
 from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items

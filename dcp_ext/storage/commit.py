@@ -16,39 +16,25 @@ save did not commit, so ``discard_save`` can delete them on any rank. Before a s
 left beside the live checkpoint: otherwise a disk that a failed save filled stays full
 and every later save fails too.
 
-``crash_point`` is a test hook: with ``DCP_EXT_CRASH_AT=<phase>`` in its environment a
-process SIGKILLs itself when a save reaches that phase, so the crash tests can stop a
-save at exact points. Phases, in save order: ``before-data`` (a rank starts writing),
-``mid-file`` (a file holds its first record), ``after-file`` (a rank closed its first
-file), ``after-data`` (all data written, nothing committed), ``before-commit`` (temporary
-files written), ``after-index`` (index published, ``.metadata`` not), ``before-marker``
-(``.metadata`` published), ``mid-cleanup`` (first retired file removed). Unset, it costs
-one environment lookup per phase.
+The commit stops at ``crash_point``s (``dcp_ext.runtime.crash``) for the crash tests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
 from collections.abc import Callable
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.data_files import is_data_file, save_token
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
+from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
 from dcp_ext.storage.location import Location
 
-CRASH_ENV = "DCP_EXT_CRASH_AT"
 TEMP_FILE = re.compile(r"^\.(metadata|dcp_ext_index\.parquet|dcp_ext_commit)\.[0-9a-f]+\.tmp$")
 
-
-def crash_point(phase: str) -> None:
-    """Test hook: SIGKILL this process when ``DCP_EXT_CRASH_AT`` names ``phase``."""
-    if os.environ.get(CRASH_ENV) == phase:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def commit(

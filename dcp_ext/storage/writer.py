@@ -19,13 +19,14 @@ from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CheckpointExistsError, InvalidRequestError
 from dcp_ext.formats.data_files import data_file_name
-from dcp_ext.formats.gc_pause import gc_paused
+from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.planning.locality import canonical_index
 from dcp_ext.storage.catalog import METADATA_NAME
-from dcp_ext.storage.commit import commit, crash_point, remove_dead_files, remove_unreferenced
+from dcp_ext.runtime.crash import crash_point
+from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreferenced
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.records import RecordSink, write_bytes, write_tensor
 from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
