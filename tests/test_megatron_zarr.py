@@ -58,3 +58,26 @@ def test_missing_metadata_json(tmp_path):
     with pytest.raises(IncompleteSaveError, match="metadata.json"):
         ShardReader(tmp_path).read_metadata()
     load_full(tmp_path, want, megatron=MegatronOptions(allow_incomplete=True))
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "legacy"])
+@pytest.mark.parametrize("option", ["verify_checksums", "two_stage"])
+def test_options_the_source_cannot_honour_are_errors(tmp_path, fmt, option):
+    """zarr/legacy record no checksums and are not read as byte ranges: refused, not ignored."""
+    from megatron_fixtures import write_legacy
+
+    from dcp_ext import InvalidRequestError
+
+    _ = write_zarr(str(tmp_path)) if fmt == "zarr" else write_legacy(str(tmp_path), tp=2, pp=1, num_layers=2)
+    with pytest.raises(InvalidRequestError, match=rf"{option}=True cannot apply to a Megatron {fmt} checkpoint"):
+        ShardReader(tmp_path, **{option: True}).read_metadata()
+
+
+def test_two_stage_without_a_process_group_is_an_error(tmp_path):
+    from conftest import sample_state, save
+
+    from dcp_ext import InvalidRequestError
+
+    save(sample_state(), tmp_path)
+    with pytest.raises(InvalidRequestError, match=r"two_stage=True\) exchanges bytes between ranks and needs"):
+        ShardReader(tmp_path, two_stage=True).read_metadata()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.storage.catalog import read_catalog
+from dcp_ext.storage.location import Location
 from mp import assert_tensor_equal, garbage_like, run_job
 
 SHAPES = {"emb": (256, 64), "w1": (128, 96), "w2": (96, 128), "norm": (64,)}
@@ -78,12 +79,11 @@ def test_resharded_two_stage_load_sends_only_needed_slices(tmp_path):
     assert sum(read for read, _ in results) <= 1.05 * _unique_payload()
 
 
-def _load_expecting_failure(rank: int, world: int, paths: list[str]) -> str:
-    full = full_tensors()
-    state = {k: garbage_like(v) for k, v in full.items()}
+def _two_stage_error(state: dict, reader: ShardReader, group=None) -> str:
+    """Load expecting failure; the rank's original error (DCP wraps it in CheckpointException)."""
     try:
-        dcp.load(state, storage_reader=ShardReader(paths[rank], two_stage=True), planner=ShardLoadPlanner())
-    except BaseException as exc:  # DCP wraps our CheckpointError in CheckpointException
+        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), process_group=group)
+    except BaseException as exc:
         failures = getattr(exc, "failures", {})
         original = next(iter(failures.values()))[0] if failures else exc
         assert isinstance(original, CheckpointError), repr(original)
@@ -91,18 +91,63 @@ def _load_expecting_failure(rank: int, world: int, paths: list[str]) -> str:
     raise AssertionError("load unexpectedly succeeded")
 
 
+def _load_expecting_failure(rank: int, world: int, path: str, lost_keys: list[str]) -> str:
+    """Only rank 2 needs the keys of the lost file: only its planning fails."""
+    full = full_tensors()
+    state = {k: garbage_like(v) for k, v in full.items() if rank == 2 or k not in lost_keys}
+    return _two_stage_error(state, ShardReader(path, two_stage=True))
+
+
 def test_one_rank_failing_makes_every_rank_raise_the_same_error(tmp_path):
-    _save_plain(str(tmp_path / "ckpt"))
-    paths = []
-    for rank in range(4):  # each rank its own copy; rank 2's copy loses a data file
-        copy = tmp_path / f"rank{rank}"
-        shutil.copytree(tmp_path / "ckpt", copy)
-        paths.append(str(copy))
-    victim = sorted(n for n in os.listdir(paths[2]) if n.endswith(".distcp"))[0]
-    os.unlink(os.path.join(paths[2], victim))
-    messages = run_job(_load_expecting_failure, 4, paths, timeout=120)
+    _save_plain(str(tmp_path))
+    catalog = read_catalog(Location(str(tmp_path)))
+    victim = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))[0]
+    lost = sorted({index.fqn for index, item in catalog.items.items() if item.relative_path == victim})
+    os.unlink(tmp_path / victim)
+    messages = run_job(_load_expecting_failure, 4, str(tmp_path), lost, timeout=120)
     assert all("rank 2" in m and victim in m and "missing" in m for m in messages)
     assert len({m.split(": two-stage", 1)[1] for m in messages}) == 1  # same failure everywhere
+
+
+def _groups_load_their_own_checkpoints(rank: int, world: int, paths: list[str], pass_group: bool) -> str:
+    """Ranks {0,1} load checkpoint A and {2,3} checkpoint B, each dcp.load on its own group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    full = {k: v + rank // 2 for k, v in full_tensors().items()}
+    state = {k: garbage_like(v) for k, v in full.items()}
+    reader = ShardReader(paths[rank // 2], two_stage=True, group=group if pass_group else None)
+    if not pass_group:
+        return _two_stage_error(state, reader, group)
+    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), process_group=group)
+    for name, value in state.items():
+        assert_tensor_equal(value, full[name], f"rank {rank} {name}")
+    return "loaded"
+
+
+def test_groups_loading_different_checkpoints_never_mix(tmp_path):
+    """Stock-written A and B share file names; an exchange across both groups would mix
+    them. Without group= every rank raises the same error; with it each loads its own."""
+    paths = [str(tmp_path / "A"), str(tmp_path / "B")]
+    for n, path in enumerate(paths):
+        dcp.save({k: v + n for k, v in full_tensors().items()}, storage_writer=dcp.FileSystemWriter(path))
+    messages = run_job(_groups_load_their_own_checkpoints, 4, paths, False, timeout=120)
+    assert len(set(messages)) == 1 and "load different checkpoints" in messages[0], messages
+    assert all(p in messages[0] for p in paths)
+    assert run_job(_groups_load_their_own_checkpoints, 4, paths, True, timeout=120) == ["loaded"] * 4
+
+
+def _subgroup_load_of_one_checkpoint(rank: int, world: int, path: str) -> str:
+    group = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    state = {k: garbage_like(v) for k, v in full_tensors().items()}
+    return _two_stage_error(state, ShardReader(path, two_stage=True), group)
+
+
+def test_default_exchange_group_must_be_the_load_group(tmp_path):
+    """Both groups load the same checkpoint on their own group, without group=: the
+    default exchange (the whole job) is not dcp.load's group, refused alike everywhere."""
+    _save_plain(str(tmp_path))
+    messages = run_job(_subgroup_load_of_one_checkpoint, 4, str(tmp_path), timeout=120)
+    assert len(set(messages)) == 1 and "dcp.load runs on a sub-group" in messages[0], messages
 
 
 def _load_everything(rank: int, world: int, path: str, variant: str) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dcp_ext.errors import CheckpointError
+from dcp_ext.errors import CheckpointError, InvalidRequestError
 from dcp_ext.observe import PhaseClock
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
@@ -115,6 +115,16 @@ def _batches(segments: list[Segment], budget: int) -> list[list[int]]:
 
 
 @dataclass(frozen=True)
+class LoadIdentity:
+    """What every member of an exchange group must share: the checkpoint (its canonical
+    location and the fingerprint of its metadata) and the group ``dcp.load`` runs on."""
+
+    location: str
+    fingerprint: int
+    dcp_rank: int | None  # this rank's rank in dcp.load's process group (None: not told)
+
+
+@dataclass(frozen=True)
 class _Piece:
     """One byte range of one request: file bytes [offset, offset + length)."""
 
@@ -145,17 +155,22 @@ class TwoStageExchange:
         self.clock = PhaseClock(("exchange",))
         self.bytes_received = 0
 
-    def run(self, requests: list[Request], planning_error: BaseException | None = None) -> tuple[int, set[str]]:
+    def run(
+        self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
+    ) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes this rank read from storage, files it opened).
 
         Every rank must call this, even one whose planning failed (pass the error): the
-        failure is shared in the first collective and raised on every rank alike.
+        failure is shared in the first collective and raised on every rank alike, as is a
+        group whose members load different checkpoints or that is not dcp.load's group.
         """
         mine = [(r.path, offset, length) for r in requests for offset, length in r.ranges]
         published = f"{type(planning_error).__name__}: {planning_error}" if planning_error else mine
         everyone: list = [None] * self.world
         with self.clock.phase("exchange"):
-            dist.all_gather_object(everyone, published, group=self.group)
+            dist.all_gather_object(everyone, (identity, published), group=self.group)
+        self._check_one_load([who for who, _ in everyone])
+        everyone = [needs for _, needs in everyone]
         self._raise_if_failed([e if isinstance(e, str) else None for e in everyone], "planning the load")
         segments = plan_segments(everyone)
         pieces = _Pieces(requests)
@@ -199,6 +214,26 @@ class TwoStageExchange:
         with self.clock.phase("exchange"):
             dist.all_gather_object(errors, error, group=self.group)
         self._raise_if_failed(errors, "reading from storage")
+
+    def _check_one_load(self, identities: list[LoadIdentity]) -> None:
+        """Segments are keyed by file name only: members must load one checkpoint. The
+        default group (the whole job) must also be the one dcp.load runs on; an explicit
+        ``group`` may be any group of ranks loading together (e.g. a DP group inside it).
+        Every rank sees the same list, so all raise alike."""
+        if len({(i.location, i.fingerprint) for i in identities}) > 1:
+            detail = "; ".join(f"rank {rank}: {i.location} (metadata {i.fingerprint:#010x})" for rank, i in enumerate(identities))
+            raise CheckpointError(
+                f"two-stage load: the exchange group's members load different checkpoints ({detail}); "
+                "pass ShardReader(group=...) the process group given to dcp.load"
+            )
+        strangers = [(rank, i.dcp_rank) for rank, i in enumerate(identities) if i.dcp_rank not in (None, rank)]
+        if strangers and self.group is None:
+            detail = ", ".join(f"rank {rank} is rank {dcp_rank} there" for rank, dcp_rank in strangers)
+            raise InvalidRequestError(
+                f"{self.location.url}: ShardReader(two_stage=True) without group= exchanges within the whole "
+                f"job, but dcp.load runs on a sub-group ({detail}); pass ShardReader(group=...) the process "
+                "group given to dcp.load"
+            )
 
     def _raise_if_failed(self, errors: list[str | None], phase: str) -> None:
         failed = [(rank, e) for rank, e in enumerate(errors) if e]

@@ -49,6 +49,7 @@ class Catalog:
     signature: tuple[Any, ...]  # of .metadata, index and marker when read (see catalog_signature)
     copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)  # TP-replica copies
     format: str = "dcp"  # "safetensors": no checksums recorded (see safetensors_catalog)
+    fingerprint: int = 0  # CRC32C of the metadata as stored: tells one checkpoint from another
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -193,7 +194,10 @@ def read_catalog(location: Location) -> Catalog:
         from_index = indexed is not None and indexed.metadata is metadata
         if not from_index:  # decode_index checked its own rows
             check_metadata(metadata, items, source, copies)
-        catalog = Catalog(location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies)
+        catalog = Catalog(
+            location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies,
+            fingerprint=crc32c.crc32c(metadata_bytes),
+        )
     except CheckpointError:
         raise
     except Exception as exc:  # untrusted structure: whatever validation trips over is corruption

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_ext.errors import CheckpointError, CorruptCheckpointError
-from dcp_ext.exchange.two_stage import DEFAULT_BUDGET_BYTES, TwoStageExchange
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
+from dcp_ext.exchange.two_stage import DEFAULT_BUDGET_BYTES, LoadIdentity, TwoStageExchange
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
@@ -131,6 +131,7 @@ class ShardReader(StorageReader):
         self.last_report: LoadReport | None = None
         self.catalog: Catalog | None = None
         self.rank = 0
+        self.dcp_rank: int | None = None
         self.is_coordinator = False
         self.load_id = uuid.uuid4().hex  # as stock readers: one per load, in read_metadata's storage_meta
 
@@ -154,7 +155,13 @@ class ShardReader(StorageReader):
     def _open_metadata(self) -> Metadata:
         self.source = open_source(self.location, self.megatron, self.cache_metadata)
         if self.source is not None:
+            self._refuse_options_for(f"a Megatron {self.source.format} checkpoint")
             return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=self.load_id))
+        if self.two_stage and not dist.is_initialized():
+            raise InvalidRequestError(
+                f"{self.location.url}: ShardReader(two_stage=True) exchanges bytes between ranks and needs an "
+                "initialized torch.distributed process group"
+            )
         self.catalog, was_read = open_catalog(self.location, self.cache_metadata)
         self.stats.metadata_reads += int(was_read)
         if self.verify_checksums and not FORMATS[self.catalog.format].checksums:
@@ -171,6 +178,7 @@ class ShardReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
+        self.dcp_rank = kwargs.get("rank")  # in dcp.load's process group: checked against two_stage's
         if self.catalog is None and self.source is None:
             self.read_metadata()
 
@@ -189,7 +197,7 @@ class ShardReader(StorageReader):
             return self._finish_read(plan, bytes_read, files, started)
         requests: list[Request] = []
         commits: list[Callable[[], None]] = []
-        if self.two_stage and dist.is_initialized():
+        if self.two_stage:
             bytes_read, files = self._read_two_stage(plan, planner, requests, commits)
         else:
             self._plan_requests(plan, planner, requests, commits)
@@ -216,11 +224,13 @@ class ShardReader(StorageReader):
     ) -> tuple[int, set[str]]:
         """Plan and fill the requests through the group's exchange; returns (bytes read, files)."""
         exchange = TwoStageExchange(self.location, self.group, self.exchange_budget_bytes, self.thread_count)
+        catalog = self._require_catalog()
+        identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint, self.dcp_rank)
         try:
             self._plan_requests(plan, planner, requests, commits)
         except Exception as exc:  # every rank must join the exchange, which shares the failure
-            return exchange.run([], planning_error=exc)  # raises it on every rank
-        bytes_read, files = exchange.run(requests)
+            return exchange.run([], identity, planning_error=exc)  # raises it on every rank
+        bytes_read, files = exchange.run(requests, identity)
         self.clock.add("exchange", exchange.seconds)
         self.stats.bytes_received += exchange.bytes_received
         return bytes_read, files
@@ -271,6 +281,16 @@ class ShardReader(StorageReader):
             self.read_metadata()
         assert self.catalog is not None
         return self.catalog
+
+    def _refuse_options_for(self, what: str) -> None:
+        """Options the Megatron zarr/legacy sources cannot honour are errors, not no-ops."""
+        unsupported = [name for name in ("verify_checksums", "two_stage") if getattr(self, name)]
+        if unsupported:
+            raise InvalidRequestError(
+                f"{self.location.url}: {', '.join(f'{n}=True' for n in unsupported)} cannot apply to {what}: it "
+                "records no checksums and is read through its own decoder, not byte ranges; load it without "
+                "them, or convert it once (dcp-ext convert) and load the result"
+            )
 
     def _check_committed(self, catalog: Catalog) -> None:
         required = not self.location.is_local if self.require_commit_marker is None else self.require_commit_marker

@@ -16,6 +16,7 @@ import json
 from collections import defaultdict
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -63,8 +64,10 @@ def read_safetensors_catalog(location: Location) -> Catalog:
     if not files:
         raise CheckpointError(f"{location.url}: no {SUFFIX} files here")
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...], str]]] = defaultdict(list)
+    fingerprint = 0
     for name in files:
-        entries, metadata = _read_header(location, name)
+        entries, metadata, header = _read_header(location, name)
+        fingerprint = crc32c.crc32c(name.encode() + header, fingerprint)
         offsets = _sharding_offsets(metadata, entries, f"{location.url}/{name}")
         for key, entry in entries.items():
             chunks[key].append((entry, offsets.get(key, (0,) * len(entry.shape)), name))
@@ -84,7 +87,10 @@ def read_safetensors_catalog(location: Location) -> Catalog:
             items[MetadataIndex(key, torch.Size(offsets))] = StoredItem(name, entry.begin, entry.nbytes, entry.begin)
     metadata = Metadata(state_dict_metadata, storage_meta=StorageMeta())
     check_metadata(metadata, items, location.url, {})
-    return Catalog(location.url, metadata, items, indexed=True, committed=True, signature=signature, format="safetensors")
+    return Catalog(
+        location.url, metadata, items, indexed=True, committed=True, signature=signature, format="safetensors",
+        fingerprint=fingerprint,
+    )
 
 
 def _global_size(pieces: list[tuple[TensorEntry, tuple[int, ...], str]]) -> list[int]:
@@ -93,7 +99,8 @@ def _global_size(pieces: list[tuple[TensorEntry, tuple[int, ...], str]]) -> list
     return [max(offsets[d] + entry.shape[d] for entry, offsets, _ in pieces) for d in range(ndim)]
 
 
-def _read_header(location: Location, name: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+def _read_header(location: Location, name: str) -> tuple[dict[str, TensorEntry], dict[str, str], bytes]:
+    """A file's tensors, its ``__metadata__`` and the header bytes themselves."""
     where = f"{location.url}/{name}"
     size = location.size(name)
     if size is None:
@@ -106,7 +113,8 @@ def _read_header(location: Location, name: str) -> tuple[dict[str, TensorEntry],
             rest = bytearray(needed - len(prefix))
             reader.read_into(len(prefix), [memoryview(rest)])
             prefix += rest
-    return decode_header(bytes(prefix), size, where)
+    header = bytes(prefix[:needed])
+    return (*decode_header(header, size, where), header)
 
 
 def _sharding_offsets(metadata: dict[str, str], entries: dict[str, TensorEntry], where: str) -> dict[str, tuple[int, ...]]:
