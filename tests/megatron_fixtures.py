@@ -6,6 +6,13 @@ directories (records written by stock ``FileSystemWriter``) with ``metadata.json
 ``mcore_data`` flattened-range tensors, ``common.pt`` or a ``common_state`` object; zarr
 v2 arrays (uncompressed chunk files, one per rank shard) with ``metadata.json``.
 Sizes are odd on purpose so that DTensor shards cut across the saved TP splits.
+
+Imitations, kept only where the real library cannot produce the case here (real
+megatron-core checkpoints are in ``tests/fixtures/megatron``): legacy ``mp_rank`` files come
+from Megatron-LM's training code, not megatron-core; the torch_dist writer covers the
+``common_state`` object (megatron-core >= 0.17 needs Python >= 3.12), flattened-range
+optimizer tensors (megatron-core <= 0.14's distributed optimizer), incomplete saves and
+TP-replica keys; the zarr writer covers incomplete saves and bad shapes.
 """
 
 from __future__ import annotations
