@@ -9,10 +9,10 @@ Sizes are odd on purpose so that DTensor shards cut across the saved TP splits.
 
 Imitations, kept only where the real library cannot produce the case here (real
 megatron-core checkpoints are in ``tests/fixtures/megatron``): legacy ``mp_rank`` files come
-from Megatron-LM's training code, not megatron-core; the torch_dist writer covers the
-``common_state`` object (megatron-core >= 0.17 needs Python >= 3.12), flattened-range
-optimizer tensors (megatron-core <= 0.14's distributed optimizer), incomplete saves and
-TP-replica keys; the zarr writer covers incomplete saves and bad shapes.
+from Megatron-LM's training code, not megatron-core; the torch_dist writer covers
+flattened-range optimizer tensors (megatron-core <= 0.14's distributed optimizer), incomplete
+saves and TP-replica keys (its ``common_state`` object is now also covered by the real
+megatron-core 0.19.2 fixture); the zarr writer covers incomplete saves and bad shapes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Checkpoints written by the real megatron-core load bit-exact through ShardReader at 1, 2
 and 4 processes, against values megatron-core's own loader returned: torch_dist from
 0.16.1 (TP2 x DP2, EP2 experts, SwiGLU factories, Adam state, an RNG ShardedObject,
+common.pt), the same from 0.19.2 (common state as the ``common_state`` ShardedObject, no
 common.pt) and zarr from 0.12.2 (TP2, bf16 norms, SwiGLU, RNG objects, common.pt).
 
 Fixture and expected values: ``tests/fixtures/megatron/generate.py`` (see its README).
@@ -25,7 +26,7 @@ from dcp_ext.megatron import load_common_state
 from mp import assert_tensor_equal, garbage_like, run_job
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
-NAMES = {"mcore016_tp2_dp2_ep2": "0.16.1", "mcore012_zarr_tp2": "0.12.2"}
+NAMES = {"mcore016_tp2_dp2_ep2": "0.16.1", "mcore019_tp2_dp2_ep2": "0.19.2", "mcore012_zarr_tp2": "0.12.2"}
 
 
 def expected(name: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -105,3 +106,20 @@ def test_metadata_holds_megatrons_save_plans():
     raw = (ckpt / ".metadata").read_bytes()
     assert b"SavePlan" in raw and b"WriteItem" in raw
     assert len(ShardReader(ckpt).read_metadata().state_dict_metadata) > 40
+
+
+def test_common_state_object_without_common_pt():
+    """megatron-core >= 0.17 keeps the common state in the DCP data, not in common.pt."""
+    ckpt = FIXTURES / "mcore019_tp2_dp2_ep2"
+    _, info = expected("mcore019_tp2_dp2_ep2")
+    assert not (ckpt / "common.pt").exists() and "common_state/shard_0_1" in info["objects"]
+    assert as_json(load_common_state(ckpt)) == info["common"]
+
+
+def test_converted_common_state_object_is_no_megatron_save(tmp_path):
+    """``convert`` copies the ``common_state`` object: the result is our checkpoint, complete
+    without Megatron's metadata.json, and still answers ``load_common_state``."""
+    _, info = expected("mcore019_tp2_dp2_ep2")
+    assert cli(["convert", str(FIXTURES / "mcore019_tp2_dp2_ep2"), str(tmp_path / "ours")]) == 0
+    assert not (tmp_path / "ours" / "metadata.json").exists()
+    assert as_json(load_common_state(tmp_path / "ours")) == info["common"]

@@ -39,11 +39,16 @@ _VIEWS: Lru[tuple[Catalog, Catalog]] = Lru(16)  # id(raw catalog) -> (raw, view)
 
 
 def is_megatron_catalog(location: Location, catalog: Catalog) -> bool:
-    """Megatron marks: ``mcore_data`` on the metadata, the common-state object, or ``common.pt``."""
+    """Megatron marks: ``mcore_data`` on the metadata, the common-state object, or ``common.pt``.
+
+    The common-state object marks only data Megatron wrote: ``dcp-ext convert`` copies it
+    into a ShardWriter checkpoint (one with our index), which is complete without Megatron's
+    ``metadata.json``.
+    """
     metadata = catalog.metadata
     if getattr(metadata, "mcore_data", None) is not None:
         return True
-    if any(key.startswith(COMMON_STATE_PREFIX) for key in metadata.state_dict_metadata):
+    if not catalog.indexed and any(key.startswith(COMMON_STATE_PREFIX) for key in metadata.state_dict_metadata):
         return True
     return location.exists(COMMON_PT)
 
