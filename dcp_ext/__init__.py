@@ -9,6 +9,8 @@ from dcp_ext.errors import (
     StorageFullError,
     UnsafeCheckpointError,
 )
+import dcp_ext.exchange  # registers the two-stage executor  # noqa: F401
+import dcp_ext.megatron  # registers the Megatron formats  # noqa: F401
 from dcp_ext.conversion.hf_export import export_safetensors
 from dcp_ext.observe import LoadReport, SaveReport, add_report_callback, remove_report_callback
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict, with_checkpoint_placements

@@ -31,7 +31,7 @@ def test_convert_round_trip_verifies_and_loads(tmp_path, capsys, fmt):
     assert capsys.readouterr().out.splitlines()[-1].startswith("OK:")
     original, _ = load_full(src, want, extra=byte_keys)
     converted, reader = load_full(dst, want, extra=byte_keys)
-    assert reader.source is None  # an ordinary DCP checkpoint now
+    assert reader.catalog.format == "dcp"  # an ordinary DCP checkpoint now
     assert {k: converted[k] for k in byte_keys} == {k: original[k] for k in byte_keys}
 
 

@@ -36,8 +36,8 @@ def test_tp2_pp2_swiglu_keys_have_global_layer_numbers(tmp_path):
     want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
     assert "decoder.layers.3.mlp.linear_fc1.weight" in want
     _, reader = load_full(tmp_path, want)
-    assert reader.source is not None and reader.source.format == "legacy"
-    assert set(reader.source.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+    assert reader.catalog.format == "legacy"
+    assert set(reader.catalog.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
 
 
 def test_expert_parallel_checkpoint_renumbers_experts(tmp_path):
@@ -148,7 +148,7 @@ def test_pre_mcore_nested_layout_loads_with_its_natural_keys(tmp_path, tp, pp):
     assert "language_model.encoder.layers.3.mlp.dense_h_to_4h.weight" in want  # SwiGLU halves, TP dim 0
     assert "language_model.embedding.word_embeddings.weight" in want
     _, reader = load_full(tmp_path, want)
-    assert set(reader.source.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+    assert set(reader.catalog.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
 
 
 def test_model_without_parameter_tensors_is_an_error_not_an_empty_checkpoint(tmp_path):
@@ -169,3 +169,46 @@ def test_empty_extra_state_values_load(tmp_path, extra_state):
     value = io.BytesIO() if extra_state == "empty BytesIO" else b""
     want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=2, extra_state=value)
     load_full(tmp_path, want)
+
+
+def test_parameters_viewing_one_buffer_read_only_their_bytes(tmp_path):
+    """Megatron's DDP keeps parameters as views of one contiguous buffer, so ``torch.save``
+    writes the buffer once and each parameter as (offset, strides) into it: a load of one
+    parameter reads that parameter's bytes, not the buffer."""
+    buffer = torch.arange(6 * 4096, dtype=torch.float32)
+    model = {
+        "embedding.word_embeddings.weight": buffer[:4096].view(64, 64),
+        "decoder.layers.0.self_attention.linear_qkv.weight": buffer[4096:3 * 4096].view(128, 64),
+        "decoder.final_layernorm.weight": buffer[3 * 4096:3 * 4096 + 64],
+        "output_layer.weight": buffer[4 * 4096:].view(128, 64).t(),  # a strided (transposed) view
+    }
+    directory = tmp_path / "iter_0000003" / "mp_rank_00"
+    directory.mkdir(parents=True)
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=1)
+    torch.save({"model": model, "args": args, "iteration": 3, "checkpoint_version": 3.0}, directory / "model_optim_rng.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    for key, value in model.items():
+        _, reader = load_full(tmp_path, {key: value.clone()})
+        assert reader.stats.bytes_read == value.nbytes, key  # the buffer holds 6x more
+
+
+def test_storage_offsets_point_at_the_stored_bytes(tmp_path):
+    """``stored_at`` relies on torch reporting each storage's file offset for a meta-device
+    load (not public API): the bytes at each reported offset must be that storage's, so a
+    torch that changes it fails here; a tensor without it is refused loudly."""
+    from dcp_ext.errors import CorruptCheckpointError
+    from dcp_ext.formats.safe_load import safe_torch_load, stored_at
+
+    shared = torch.arange(1000, dtype=torch.int16)
+    storages = {"a": torch.rand(3, 5), "b": shared, "c": shared, "d": torch.randn(7).to(torch.bfloat16)}
+    path = tmp_path / "f.pt"
+    torch.save({"a": storages["a"], "b": shared[10:20], "c": shared[500:], "d": storages["d"]}, path)
+    loaded = safe_torch_load(str(path), "f.pt", layout_only=True)
+    with open(path, "rb") as raw:
+        for key, tensor in loaded.items():
+            assert tensor.device.type == "meta"
+            raw.seek(stored_at(tensor, key))
+            data = bytearray(raw.read(tensor.untyped_storage().nbytes()))
+            assert torch.equal(torch.frombuffer(data, dtype=tensor.dtype), storages[key].reshape(-1)), key
+    with pytest.raises(CorruptCheckpointError, match="did not report where this tensor's bytes are stored"):
+        stored_at(torch.empty(3, device="meta"), "made on the meta device")

@@ -11,7 +11,7 @@ from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import parse_tensor_record
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import SLAB_BYTES, tensor_requests
-from dcp_ext.storage.reader import _coalesce
+from dcp_ext.storage.executors import coalesce
 
 
 def _record(tmp_path, tensor: torch.Tensor, pad: int = 100):
@@ -29,7 +29,7 @@ def _run(tmp_path, requests) -> int:
     location = Location(tmp_path)
     total = 0
     with location.open_reader("f.distcp") as reader:
-        for offset, buffers in _coalesce(requests):
+        for offset, buffers in coalesce(requests):
             total += reader.read_into(offset, buffers)
     for r in requests:
         r.complete()

@@ -12,9 +12,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dcp_ext.formats.data_files import saving_rank
 from dcp_ext.formats.index import dtype_name
 from dcp_ext.megatron.base import MegatronOptions
-from dcp_ext.megatron.describe import describe_source
-from dcp_ext.megatron.detect import open_source
-from dcp_ext.megatron.torch_dist import torch_dist_view
 from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.catalog_formats import open_catalog
 from dcp_ext.storage.location import Location
@@ -30,39 +27,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 LARGEST = 10
 
 
+FORMAT_NAMES = {"zarr": "Megatron zarr checkpoint", "legacy": "Megatron legacy checkpoint",
+                "safetensors": "safetensors checkpoint"}
+
+
 def describe(path: str, stats: bool = False) -> dict[str, Any]:
-    location, megatron = Location(path), MegatronOptions(allow_incomplete=True)
-    source = open_source(location, megatron, cached=False)
-    if source is not None:  # Megatron zarr / legacy
-        return describe_source(source)
-    catalog = torch_dist_view(location, open_catalog(location, cached=False)[0], megatron)
+    location = Location(path)
+    catalog, _ = open_catalog(location, cached=False, options=MegatronOptions(allow_incomplete=True))
     keys = []
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            items = [catalog.items[MetadataIndex(fqn, c.offsets)] for c in md.chunks]
+            indices = [MetadataIndex(fqn, c.offsets) for c in md.chunks]
             keys.append({
                 "key": fqn,
                 "kind": "tensor",
                 "dtype": dtype_name(md.properties.dtype),
                 "shape": list(md.size),
                 "chunks": len(md.chunks),
-                "bytes": sum(i.length for i in items),
-                "files": sorted({i.relative_path for i in items}),
+                "bytes": sum(_stored_bytes(catalog, index) for index in indices),
+                "files": sorted({catalog.items[index].relative_path for index in indices}),
             })
         else:
-            item = catalog.items[MetadataIndex(fqn)]
+            index = MetadataIndex(fqn)
             keys.append({"key": fqn, "kind": "bytes", "dtype": None, "shape": None, "chunks": 1,
-                         "bytes": item.length, "files": [item.relative_path]})
+                         "bytes": _stored_bytes(catalog, index), "files": [catalog.items[index].relative_path]})
     info = {
         "path": catalog.url,
         "index": catalog.indexed,
         "keys": keys,
         "files": len({i.relative_path for i in catalog.items.values()}),
-        "bytes": sum(i.length for i in catalog.items.values()),
+        "bytes": sum(k["bytes"] for k in keys),
     }
+    if catalog.format in FORMAT_NAMES:
+        info["format"] = FORMAT_NAMES[catalog.format]
     if stats:
         info["stats"] = storage_stats(catalog, keys)
     return info
+
+
+def _stored_bytes(catalog: Catalog, index: MetadataIndex) -> int:
+    """Bytes an item occupies: its record, or its share of a storage other tensors share
+    (legacy Megatron), or its serialized bytes when the format synthesizes them."""
+    if index in catalog.inline:
+        return len(catalog.inline[index])
+    if catalog.format == "legacy":
+        return catalog.chunk_nbytes(index) or 0
+    return catalog.items[index].length
 
 
 def storage_stats(catalog: Catalog, keys: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 from dcp_ext.errors import CheckpointError, InvalidRequestError
 from dcp_ext.observe import PhaseClock
-from dcp_ext.storage.location import Location
+from dcp_ext.storage.executors import LoadIdentity, ReadSettings, register_executor
 from dcp_ext.storage.read_plan import Request
 
 SEGMENT_BYTES = 32 << 20  # largest unit one rank reads and sends
-DEFAULT_BUDGET_BYTES = 256 << 20  # bytes of segments in flight per batch
 
 
 @dataclass
@@ -115,16 +114,6 @@ def _batches(segments: list[Segment], budget: int) -> list[list[int]]:
 
 
 @dataclass(frozen=True)
-class LoadIdentity:
-    """What every member of an exchange group must share: the checkpoint (its canonical
-    location and the fingerprint of its metadata) and the group ``dcp.load`` runs on."""
-
-    location: str
-    fingerprint: int
-    dcp_rank: int | None  # this rank's rank in dcp.load's process group (None: not told)
-
-
-@dataclass(frozen=True)
 class _Piece:
     """One byte range of one request: file bytes [offset, offset + length)."""
 
@@ -142,15 +131,17 @@ class TwoStageExchange:
     and ``bytes_received`` the bytes other ranks sent it.
     """
 
-    def __init__(self, location: Location, group: dist.ProcessGroup | None, budget_bytes: int, thread_count: int):
-        self.location = location
-        self.group = group
-        self.budget_bytes = budget_bytes
-        self.thread_count = thread_count
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+    collective = True
+
+    def __init__(self, settings: ReadSettings):
+        self.location = settings.location
+        self.group = settings.group
+        self.budget_bytes = settings.budget_bytes
+        self.thread_count = settings.thread_count
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
         # NCCL moves only CUDA tensors: stage transfers on this rank's GPU there.
-        nccl = dist.get_backend(group) == "nccl"
+        nccl = dist.get_backend(self.group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.clock = PhaseClock(("exchange",))
         self.bytes_received = 0
@@ -353,3 +344,6 @@ class _Pieces:
                 raise CheckpointError(f"two-stage load left {left} bytes of {request.path!r} key {request.key!r} unfilled")
             if not request.nbytes:  # nothing to receive: complete it here
                 request.complete()
+
+
+register_executor("two_stage", TwoStageExchange)

@@ -49,21 +49,43 @@ ALLOWED_TEXT = (
 )
 
 
-def safe_torch_load(source: str | os.PathLike[str] | bytes, where: str, mmap: bool = False) -> Any:
-    """Load a ``torch.save`` file or byte string with ``weights_only=True`` and our allowlist.
+def safe_torch_load(
+    source: str | os.PathLike[str] | bytes | IO[bytes], where: str, mmap: bool = False, layout_only: bool = False
+) -> Any:
+    """Load a ``torch.save`` file, file object or byte string with ``weights_only=True`` and
+    our allowlist.
 
-    ``mmap=True`` (local files) maps tensor storages instead of reading them, so only the
-    pickle is read now and tensor bytes are read when a box of them is copied.
+    ``mmap=True`` (local files) maps tensor storages instead of reading them.
+    ``layout_only=True`` reads only the pickle and the zip directory: tensors come back on
+    the meta device (shape, strides, dtype, no data), each storage knowing where its bytes
+    sit in the file (``stored_at``), so a reader can then fetch just the byte ranges it needs.
     """
     stream: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(stream, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(stream, map_location="meta" if layout_only else "cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         detail = ", ".join(refused_globals(source)) or _torch_reason(exc)
         raise UnsafeCheckpointError(f"{where}: refuses to unpickle {detail} ({ALLOWED_TEXT})") from None
     except (RuntimeError, EOFError, ValueError) as exc:  # torch.load's errors for bytes that are no record
         raise CorruptCheckpointError(f"{where}: not a readable torch.save stream ({exc})") from None
+
+
+def stored_at(tensor: torch.Tensor, where: str) -> int:
+    """Byte offset in its file of the storage of a tensor loaded with ``layout_only=True``.
+
+    torch records it as ``UntypedStorage._checkpoint_offset`` when it loads a zip file onto
+    the meta device (what ``torch.load(mmap=True)`` and fake-tensor loading build on); it is
+    not public API, so a torch that stops setting it fails here, loudly, never with wrong
+    offsets (tests/test_megatron_legacy.py checks the offsets against the zip directory).
+    """
+    offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+    if not isinstance(offset, int) or offset < 0:
+        raise CorruptCheckpointError(
+            f"{where}: torch {torch.__version__} did not report where this tensor's bytes are stored "
+            "(UntypedStorage._checkpoint_offset of a meta-device load); this reader needs it"
+        )
+    return offset
 
 
 def safe_load_bytes(data: bytes, where: str, opt_out: str) -> Any:

@@ -69,9 +69,14 @@ class TensorLayout:
 
     def is_dense(self) -> bool:
         """True when the tensor is the whole storage in row-major order."""
-        return self.storage_offset == 0 and self.stride == contiguous_strides(self.shape) and (
+        return self.storage_offset == 0 and self.is_row_major() and (
             self.payload_nbytes == numel(self.shape) * self.dtype.itemsize
         )
+
+    def is_row_major(self) -> bool:
+        """True when the tensor's elements are one row-major run of its storage (maybe not
+        all of it: a view of a larger buffer, as Megatron's parameters are)."""
+        return self.stride == contiguous_strides(self.shape)
 
     def values(self, raw: torch.Tensor) -> torch.Tensor:
         """``raw`` (a view of stored bytes) as the values it stands for: the record's bits
@@ -260,7 +265,7 @@ def parse_tensor_record(length: int, read_at: Callable[[int, int], bytes], where
         payload_offset, nbytes, decoded.dtype, decoded.shape, decoded.stride, decoded.storage_offset,
         data_entry.CRC, conj=decoded.flags.get("conj", False), neg=decoded.flags.get("neg", False),
     )
-    _check_within_storage(layout, decoded.storage_numel, where)
+    check_within_storage(layout, decoded.storage_numel, where)
     return layout
 
 
@@ -286,7 +291,7 @@ def _payload_offset(probe: _ProbedRecord, data_entry: zipfile.ZipInfo, length: i
     return payload_offset
 
 
-def _check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -> None:
+def check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -> None:
     if any(s < 0 for s in layout.shape) or any(s < 0 for s in layout.stride) or layout.storage_offset < 0:
         raise CorruptCheckpointError(f"{where}: negative shape, stride or offset in tensor record")
     if numel(layout.shape) == 0:

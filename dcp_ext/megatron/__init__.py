@@ -1,14 +1,15 @@
-"""Read Megatron checkpoints (torch_dist, zarr, legacy ``mp_rank_*``) through ShardReader."""
+"""Read Megatron checkpoints (torch_dist, zarr, legacy ``mp_rank_*``) through ShardReader.
 
-from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions, MegatronSource
+Importing this package registers the Megatron formats with ``dcp_ext.storage.catalog_formats``.
+"""
+
+from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions
 from dcp_ext.megatron.common_state import load_common_state
-from dcp_ext.megatron.detect import detect_format, open_source
+from dcp_ext.megatron.detect import detect_format
 
 __all__ = [
     "IncompleteSaveError",
     "MegatronOptions",
-    "MegatronSource",
     "detect_format",
     "load_common_state",
-    "open_source",
 ]

@@ -1,14 +1,13 @@
-"""What every Megatron format adapter shares: options, the source interface, metadata builders.
+"""What every Megatron format adapter shares: options and metadata builders.
 
 A Megatron checkpoint that is not a DCP directory (zarr arrays, legacy ``mp_rank_*``
-files) is presented to DCP as a *source*: synthesized DCP ``Metadata`` whose chunks are
-the pieces the checkpoint stores, plus a way to fill a destination box from one chunk.
-DCP's planners then reshard it like any other checkpoint.
+files) is presented to DCP as a catalog: synthesized DCP ``Metadata`` whose chunks are
+the pieces the checkpoint stores, each at a byte range of a file. DCP's planners then
+reshard it like any other checkpoint.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -50,40 +48,6 @@ class MegatronOptions:
 
     def cache_key(self) -> tuple[Any, ...]:
         return (self.iteration, tuple(sorted(self.partition_dims.items(), key=repr)), self.allow_incomplete)
-
-
-@dataclass(frozen=True)
-class ChunkRead:
-    """What filling one box cost: bytes taken from storage and the files they came from."""
-
-    nbytes: int
-    files: frozenset[str]
-
-
-class MegatronSource(ABC):
-    """A checkpoint that is not a DCP directory, presented as DCP metadata."""
-
-    format: str  # "zarr" or "legacy"
-    url: str
-    metadata: Metadata
-
-    @abstractmethod
-    def read_tensor(
-        self, index: MetadataIndex, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor
-    ) -> ChunkRead:
-        """Fill ``dest`` with the box (``offsets`` relative to the chunk) of chunk ``index``."""
-
-    @abstractmethod
-    def read_bytes(self, fqn: str) -> bytes:
-        """The serialized bytes item ``fqn`` (a ``torch.save`` stream, as DCP stores them)."""
-
-    @abstractmethod
-    def chunk_files(self, index: MetadataIndex) -> list[str]:
-        """Files (relative to the checkpoint) that hold chunk ``index``; for ``inspect``."""
-
-    @abstractmethod
-    def signature(self) -> tuple[Any, ...]:
-        """Changes when the files the source was built from change (cache validation)."""
 
 
 def tensor_metadata(

@@ -9,8 +9,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.megatron.base import MegatronOptions
-from dcp_ext.megatron.detect import detect_format, open_source
-from dcp_ext.megatron.legacy import LegacySource
+from dcp_ext.megatron.detect import detect_format
+from dcp_ext.megatron.legacy import LegacyCheckpoint
 from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.megatron.torch_dist import COMMON_PT, common_state_key
 from dcp_ext.storage.catalog import read_catalog
@@ -34,9 +34,14 @@ def load_common_state(
     options = options or MegatronOptions()
     kind = detect_format(location)
     if kind == "legacy":
-        source = open_source(location, options)
-        assert isinstance(source, LegacySource)
-        return dict(source.common)
+        checkpoint = LegacyCheckpoint(location, options)  # its tensors are layouts: load the values
+        path = checkpoint.files[(0, 0, 0)]
+        where = f"{location.url}/{path}"
+        if location.is_local:
+            state = safe_torch_load(location.path(path), where, mmap=True)
+        else:
+            state = safe_torch_load(location.read_bytes(path), where)
+        return {key: value for key, value in state.items() if key in checkpoint.common}
     if location.exists(COMMON_PT):
         return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}")
     if kind == "dcp":

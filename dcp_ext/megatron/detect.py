@@ -1,25 +1,24 @@
-"""Tell a checkpoint directory's format and open the matching Megatron source, once per process.
+"""Tell a Megatron checkpoint directory's format, and register the Megatron formats with storage.
 
-DCP directories (stock, ShardWriter, Megatron torch_dist) have ``.metadata`` and take
-the ordinary catalog path: ``open_source`` returns None for them. zarr and legacy
-directories become sources; building one parses every ``.zarray`` or loads every rank
-file's pickle, so sources are cached per process and revalidated by file signatures.
+DCP directories (stock, ShardWriter, Megatron torch_dist) have ``.metadata`` and are read
+as DCP, with the torch_dist view applied; zarr and legacy directories become catalogs of
+their own (``zarr_format``, ``legacy``). Registering here, when ``dcp_ext.megatron`` is
+imported (``import dcp_ext`` does), keeps storage free of imports from this package.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions, MegatronSource
-from dcp_ext.megatron.legacy import LegacySource
+from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions
+from dcp_ext.megatron.legacy import legacy_signature, read_legacy_catalog
 from dcp_ext.megatron.legacy_layout import is_legacy, list_dir
-from dcp_ext.megatron.torch_dist import METADATA_JSON, read_metadata_json
-from dcp_ext.megatron.zarr_format import ZarrSource, has_zarr_arrays
-from dcp_ext.runtime.lru import Lru
+from dcp_ext.megatron.torch_dist import METADATA_JSON, read_metadata_json, torch_dist_view
+from dcp_ext.megatron.zarr_format import has_zarr_arrays, read_zarr_catalog, zarr_signature
+from dcp_ext.storage.catalog_formats import CatalogFormat, register_format, register_view
 from dcp_ext.storage.location import Location
 
 DCP_METADATA = ".metadata"
-_MAX_SOURCES = 4
 
 
 def detect_format(location: Location) -> str | None:
@@ -36,23 +35,20 @@ def detect_format(location: Location) -> str | None:
     if is_legacy(names):
         return "legacy"
     if has_zarr_arrays(location):
-        return "zarr"  # without metadata.json: ZarrSource reports the incomplete save
+        return "zarr"  # without metadata.json: the zarr reader reports the incomplete save
     return None
 
 
-SOURCES: Lru[tuple[tuple[Any, ...], MegatronSource]] = Lru(_MAX_SOURCES)  # (files' signature when built, source)
+def _options_key(options: Any) -> tuple[Any, ...]:
+    return (options or MegatronOptions()).cache_key()
 
 
-def open_source(location: Location, options: MegatronOptions, cached: bool = True) -> MegatronSource | None:
-    """The zarr/legacy source for ``location``, or None for a DCP (or unknown) directory."""
-    kind = detect_format(location)
-    if kind not in ("zarr", "legacy"):
-        return None
-    key = (location.cache_key(), kind, options.cache_key())
-    entry = SOURCES.get(key, lambda built: built[1].signature() == built[0]) if cached else None
-    if entry is not None:
-        return entry[1]
-    source = ZarrSource(location, options) if kind == "zarr" else LegacySource(location, options)
-    if cached:
-        SOURCES.put(key, (source.signature(), source))
-    return source
+register_format(CatalogFormat(
+    "zarr", lambda location: detect_format(location) == "zarr", read_zarr_catalog, zarr_signature,
+    checksums=False, options_key=_options_key,
+))
+register_format(CatalogFormat(
+    "legacy", lambda location: detect_format(location) == "legacy", read_legacy_catalog, legacy_signature,
+    checksums=False, options_key=_options_key,
+))
+register_view(torch_dist_view)

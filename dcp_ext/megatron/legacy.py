@@ -1,10 +1,11 @@
 """Legacy Megatron ``torch`` checkpoints (``mp_rank_*/model_optim_rng.pt``) as one global state dict.
 
-Every rank file is loaded once (memory-mapped when local: only its pickle is read until
-a box of a tensor is copied) and kept for the life of the source. Each TP shard of a
-parameter becomes one DCP chunk (two for a SwiGLU ``linear_fc1``: its W and V halves
-land in different places of the global tensor), so a rank that loads part of a tensor
-touches only the files that hold that part. Layer numbers are made global across
+Opening reads only each rank file's pickle and zip directory (tensors load onto the meta
+device, each knowing where its storage bytes sit in the file); the result is a catalog
+whose stored chunks are byte ranges of the rank files, read like any DCP record. Each TP
+shard of a parameter becomes one DCP chunk (two for a SwiGLU ``linear_fc1``: its W and V
+halves land in different places of the global tensor), so a rank that loads part of a
+tensor reads only the bytes of that part. Layer numbers are made global across
 pipeline stages (and virtual stages ``model0..``), expert numbers across EP ranks.
 Pre-mcore files nest the model (``model["language_model"]["encoder"][...]``); nested
 entries are named by their path, e.g. ``language_model.encoder.layers.0.
@@ -19,21 +20,27 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_ext.errors import CheckpointError
-from dcp_ext.formats.torch_record import numel
-from dcp_ext.megatron.base import Box, ChunkRead, MegatronOptions, MegatronSource, build_metadata, tensor_metadata
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.safe_load import safe_torch_load, stored_at
+from dcp_ext.formats.torch_record import TensorLayout, check_within_storage
+from dcp_ext.megatron.base import Box, MegatronOptions, build_metadata, tensor_metadata
 from dcp_ext.megatron.legacy_layout import (
+    MODEL_FILE,
     TRACKER,
     first_rank_file,
+    is_rank_dir,
+    list_dir,
     parallelism,
     rank_files,
     resolve_iteration,
 )
 from dcp_ext.megatron.partition import is_swiglu_fc1, partition_dim
-from dcp_ext.formats.safe_load import safe_torch_load
+from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.location import Location
 
 BYTES_KEYS = ("args", "iteration", "checkpoint_version")
@@ -50,6 +57,7 @@ class Piece:
     model: str
     key: str
     local_offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,39 @@ class Shard:
     shape: tuple[int, ...]
 
 
-class LegacySource(MegatronSource):
-    format = "legacy"
+def read_legacy_catalog(location: Location, options: MegatronOptions | None) -> Catalog:
+    """The iteration's rank files as one catalog (see the module docstring)."""
+    checkpoint = LegacyCheckpoint(location, options or MegatronOptions())
+    items: dict[MetadataIndex, StoredItem] = {}
+    layouts: dict[MetadataIndex, TensorLayout] = {}
+    for index, piece in checkpoint.pieces.items():
+        items[index], layouts[index] = checkpoint.stored_piece(piece)
+    first = checkpoint.files[(0, 0, 0)]
+    for key in checkpoint.byte_keys:
+        items[MetadataIndex(key)] = StoredItem(first, 0, 0)
+    inline = {MetadataIndex(key): _serialized(checkpoint.common[key]) for key in checkpoint.byte_keys}
+    fingerprint = crc32c.crc32c(repr(sorted((i.fqn, tuple(i.offset or ()), item) for i, item in items.items())).encode())
+    return Catalog(location.url, checkpoint.metadata, items, indexed=False, committed=True,
+                   signature=legacy_signature(location, options), format="legacy", fingerprint=fingerprint,
+                   inline=inline, _layouts=layouts)
+
+
+def legacy_signature(location: Location, options: MegatronOptions | None) -> tuple[Any, ...]:
+    """The tracker and every rank file of the chosen iteration: a new save changes one."""
+    iteration_dir = resolve_iteration(location, (options or MegatronOptions()).iteration)
+    names = [f"{iteration_dir}/{d}" if iteration_dir else d for d in list_dir(location, iteration_dir) if is_rank_dir(d)]
+    return (location.signature(TRACKER), *(location.signature(f"{d}/{MODEL_FILE}") for d in sorted(names)))
+
+
+def _serialized(value: Any) -> bytes:
+    """A common-state entry as DCP stores bytes items: a ``torch.save`` stream."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+class LegacyCheckpoint:
+    """The rank files of one iteration, loaded as layouts (no tensor data)."""
 
     def __init__(self, location: Location, options: MegatronOptions):
         self.location = location
@@ -72,15 +111,16 @@ class LegacySource(MegatronSource):
         self.options = options
         self.iteration_dir = resolve_iteration(location, options.iteration)
         first = first_rank_file(location, self.iteration_dir)
-        self._loaded: dict[str, dict[str, Any]] = {first: self._load(first)}
-        self.args = self._loaded[first].get("args")
+        loaded: dict[str, dict[str, Any]] = {first: self._load(first)}
+        self.args = loaded[first].get("args")
         self.sizes = parallelism(location, self.iteration_dir, self.args)
         self.files = rank_files(location, self.iteration_dir, self.sizes)
         for path in self.files.values():
-            if path not in self._loaded:
-                self._loaded[path] = self._load(path)
-        self.common = {k: v for k, v in self._loaded[self.files[(0, 0, 0)]].items() if not _is_model_or_optimizer(k)}
-        self.models = {path: _models(state) for path, state in self._loaded.items()}
+            if path not in loaded:
+                loaded[path] = self._load(path)
+        self.common = {k: v for k, v in loaded[self.files[(0, 0, 0)]].items() if not _is_model_or_optimizer(k)}
+        self.byte_keys = [k for k in BYTES_KEYS if k in self.common]
+        self.models = {path: _models(state) for path, state in loaded.items()}
         self.pieces: dict[MetadataIndex, Piece] = {}
         tensors = {name: self._plan_tensor(name, shards) for name, shards in self._collect().items()}
         if not tensors:
@@ -89,37 +129,26 @@ class LegacySource(MegatronSource):
                 f"{self.url}/{first}: no parameter tensors in the model entries (found {first_models}); "
                 "not a Megatron model checkpoint this reader understands"
             )
-        self.metadata = build_metadata(tensors, [k for k in BYTES_KEYS if k in self.common])
+        self.metadata = build_metadata(tensors, self.byte_keys)
 
-    # -- MegatronSource ------------------------------------------------------------------
-    def signature(self) -> tuple[Any, ...]:
-        return (self.location.signature(TRACKER), *(self.location.signature(p) for p in self.files.values()))
+    def stored_piece(self, piece: Piece) -> tuple[StoredItem, TensorLayout]:
+        """Where a chunk's bytes are: its tensor's storage in the rank file, and the view
+        (offset, strides) of the chunk inside that storage."""
+        tensor = next(params for entry, _, params in self.models[piece.file] if entry == piece.model)[piece.key]
+        where = f"{self.url}/{piece.file} key {piece.key!r}"
+        nbytes = tensor.untyped_storage().nbytes()
+        offset = tensor.storage_offset() + sum(o * s for o, s in zip(piece.local_offsets, tensor.stride()))
+        layout = TensorLayout(0, nbytes, tensor.dtype, piece.sizes, tuple(tensor.stride()), offset, None)
+        check_within_storage(layout, nbytes // tensor.element_size(), where)
+        return StoredItem(piece.file, stored_at(tensor, where), nbytes), layout
 
-    def chunk_files(self, index: MetadataIndex) -> list[str]:
-        return [self.files[(0, 0, 0)]] if index.offset is None else [self.pieces[index].file]
-
-    def read_bytes(self, fqn: str) -> bytes:
-        buf = io.BytesIO()
-        torch.save(self.common[fqn], buf)
-        return buf.getvalue()
-
-    def read_tensor(
-        self, index: MetadataIndex, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor
-    ) -> ChunkRead:
-        piece = self.pieces[index]
-        source = next(params for entry, _, params in self.models[piece.file] if entry == piece.model)[piece.key]
-        for dim, (start, n) in enumerate(zip(piece.local_offsets, lengths)):
-            source = source.narrow(dim, start + offsets[dim], n)
-        dest.copy_(source)
-        return ChunkRead(numel(lengths) * source.element_size(), frozenset({piece.file}))
-
-    # -- building ------------------------------------------------------------------------
     def _load(self, path: str) -> dict[str, Any]:
         where = f"{self.url}/{path}"
         if self.location.is_local:
-            state = safe_torch_load(self.location.path(path), where, mmap=True)
+            state = safe_torch_load(self.location.path(path), where, layout_only=True)
         else:
-            state = safe_torch_load(self.location.read_bytes(path), where)
+            with self.location.open_file(path) as stream:
+                state = safe_torch_load(stream, where, layout_only=True)
         if not isinstance(state, dict) or not any(_MODEL_KEY.match(k) for k in state):
             raise CheckpointError(f"{where}: not a Megatron model file (no 'model' entry)")
         return state
@@ -170,7 +199,7 @@ class LegacySource(MegatronSource):
         dim = partition_dim(name, self.options.partition_dims, where) if tp > 1 else None
         if dim is None:
             self.pieces[MetadataIndex(name, torch.Size([0] * len(first.shape)))] = Piece(
-                first.file, first.model, first.key, (0,) * len(first.shape)
+                first.file, first.model, first.key, (0,) * len(first.shape), first.shape
             )
             return tensor_metadata(first.dtype, first.shape, [((0,) * len(first.shape), first.shape)])
         if dim >= len(first.shape):
@@ -188,7 +217,7 @@ class LegacySource(MegatronSource):
                 sizes = first.shape[:dim] + (part,) + first.shape[dim + 1 :]
                 chunks.append((offsets, sizes))
                 self.pieces[MetadataIndex(name, torch.Size(offsets))] = Piece(
-                    shard.file, shard.model, shard.key, _at(len(shape), dim, half * part)
+                    shard.file, shard.model, shard.key, _at(len(shape), dim, half * part), sizes
                 )
         return tensor_metadata(first.dtype, shape, chunks)
 

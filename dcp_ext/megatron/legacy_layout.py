@@ -48,6 +48,10 @@ def list_dir(location: Location, name: str = "") -> list[str]:
     return [posixpath.basename(p.rstrip("/")) for p in location.fs.ls(full, detail=False)]
 
 
+def is_rank_dir(name: str) -> bool:
+    return _RANK_DIR.match(name) is not None
+
+
 def is_legacy(names: list[str]) -> bool:
     return any(n in (TRACKER, RELEASE) or _ITER_DIR.match(n) or _RANK_DIR.match(n) for n in names)
 

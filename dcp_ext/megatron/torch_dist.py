@@ -80,16 +80,16 @@ def read_metadata_json(location: Location) -> dict[str, Any]:
     return config
 
 
-def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions) -> Catalog:
+def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions | None) -> Catalog:
     """The catalog a load should see: checked for completeness, flattened tensors restored,
     TP-replica keys (``{key}.__tp_replica_{r}``) answered as ``key``.
 
     Plain DCP checkpoints come back unchanged. The view is computed once per parsed
     catalog (it may probe record headers) and shared like the catalog itself.
     """
-    if not is_megatron_catalog(location, catalog):
+    if catalog.format != "dcp" or not is_megatron_catalog(location, catalog):
         return catalog
-    check_complete(location, "torch_dist", options)
+    check_complete(location, "torch_dist", options or MegatronOptions())
     cached = _VIEWS.get(id(catalog), lambda entry: entry[0] is catalog)
     if cached is not None:
         return cached[1]

@@ -1,9 +1,11 @@
 """Megatron ``zarr`` checkpoints (deprecated 2024, still on disk): one zarr v2 array per tensor.
 
 Each directory holding a ``.zarray`` is a tensor keyed by its path; its zarr chunks (one
-per saving rank's shard) become the DCP chunks. Reads go through TensorStore, which
-fetches only the chunks a box touches and understands Megatron's ``"bfloat16"`` dtype.
-ShardedObjects are ``{key}/shard_{offsets}_{shape}.pt`` files, exposed as bytes items.
+per saving rank's shard) become the DCP chunks. Megatron writes them uncompressed
+(``compressor: null``), so a chunk file is the chunk's raw bytes (C or F order, Megatron's
+``"bfloat16"`` being raw bfloat16) and loads read only the byte ranges a box needs, like
+any DCP record. ShardedObjects are ``{key}/shard_{offsets}_{shape}.pt`` files, exposed as
+bytes items.
 """
 
 from __future__ import annotations
@@ -12,19 +14,20 @@ import itertools
 import json
 import os
 import posixpath
-import threading
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import numpy as np
-import tensorstore as ts
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
-from dcp_ext.formats.torch_record import numel
-from dcp_ext.megatron.base import ChunkRead, MegatronOptions, MegatronSource, build_metadata, tensor_metadata
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel
+from dcp_ext.megatron.base import MegatronOptions, build_metadata, tensor_metadata
 from dcp_ext.megatron.torch_dist import COMMON_PT, METADATA_JSON, check_complete
+from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.location import Location
 
 ZARRAY = ".zarray"
@@ -39,6 +42,7 @@ class ZarrArray:
     chunks: tuple[int, ...]
     dtype: torch.dtype
     separator: str
+    order: str  # "C" or "F": the byte order of elements inside a chunk file
 
     def chunk_file(self, offsets: tuple[int, ...]) -> str:
         name = self.separator.join(str(o // c) for o, c in zip(offsets, self.chunks)) or "0"
@@ -70,84 +74,69 @@ def parse_zarray(location: Location, path: str) -> ZarrArray:
     try:
         meta = json.loads(location.read_bytes(f"{path}/{ZARRAY}"))
         shape, chunks = tuple(int(n) for n in meta["shape"]), tuple(int(n) for n in meta["chunks"])
-        dtype = _torch_dtype(meta["dtype"])
-    except (ValueError, KeyError, TypeError) as exc:
+        dtype = _torch_dtype(meta["dtype"], where)
+        order = meta.get("order", "C")
+        codecs = {name: meta.get(name) for name in ("compressor", "filters")}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{where}: unreadable zarr metadata ({type(exc).__name__}: {exc})") from None
+    if any(codecs.values()) or order not in ("C", "F"):
+        raise CheckpointError(
+            f"{where}: array {path!r} is stored with {codecs} and order {order!r}; ShardReader reads the "
+            "uncompressed, unfiltered arrays Megatron writes (compressor and filters null)"
+        )
     if len(shape) != len(chunks) or any(c <= 0 or n % c for n, c in zip(shape, chunks)):
         raise CorruptCheckpointError(
             f"{where}: array {path!r} has shape {list(shape)} but chunks {list(chunks)}; Megatron writes one "
             "chunk per rank's shard, so every dimension must be a whole number of chunks"
         )
-    return ZarrArray(path, shape, chunks, dtype, meta.get("dimension_separator") or ".")
+    return ZarrArray(path, shape, chunks, dtype, meta.get("dimension_separator") or ".", order)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    if name == "bfloat16":
+def _torch_dtype(name: str, where: str) -> torch.dtype:
+    if name == "bfloat16":  # Megatron's name for raw little-endian bfloat16
         return torch.bfloat16
-    return torch.from_numpy(np.zeros(0, dtype=np.dtype(name).newbyteorder("="))).dtype
+    dtype = np.dtype(name)
+    if dtype.byteorder == ">" and dtype.itemsize > 1:
+        raise CheckpointError(f"{where}: dtype {name!r} is big-endian; ShardReader reads little-endian arrays only")
+    return torch.from_numpy(np.zeros(0, dtype=dtype.newbyteorder("="))).dtype
 
 
-class ZarrSource(MegatronSource):
-    format = "zarr"
+def read_zarr_catalog(location: Location, options: MegatronOptions | None) -> Catalog:
+    """The checkpoint as a catalog: each zarr chunk file is one stored chunk, read by byte
+    ranges like any other (Megatron writes them uncompressed, raw C- or F-order bytes)."""
+    check_complete(location, "zarr", options or MegatronOptions())
+    array_paths, object_paths = find_entries(location)
+    arrays = [parse_zarray(location, path) for path in array_paths]
+    items: dict[MetadataIndex, StoredItem] = {}
+    layouts: dict[MetadataIndex, TensorLayout] = {}
+    for array in arrays:
+        nbytes = numel(array.chunks) * array.dtype.itemsize
+        for offsets, sizes in _grid(array):
+            index = MetadataIndex(array.path, torch.Size(offsets))
+            if array.order == "C":
+                items[index] = StoredItem(array.chunk_file(offsets), 0, nbytes, payload_offset=0)
+            else:  # column-major chunk: the same bytes seen through reversed strides
+                items[index] = StoredItem(array.chunk_file(offsets), 0, nbytes)
+                stride = tuple(reversed(contiguous_strides(tuple(reversed(sizes)))))
+                layouts[index] = TensorLayout(0, nbytes, array.dtype, sizes, stride, 0, None)
+    for path in object_paths:
+        size = location.size(path)
+        if size is None:
+            raise CheckpointError(f"{location.url}/{path}: object file vanished while the checkpoint was opened")
+        items[MetadataIndex(path.removesuffix(".pt"))] = StoredItem(path, 0, size)
+    metadata = build_metadata(
+        {a.path: tensor_metadata(a.dtype, a.shape, _grid(a)) for a in arrays},
+        [path.removesuffix(".pt") for path in object_paths],
+    )
+    fingerprint = 0
+    for array in arrays:
+        fingerprint = crc32c.crc32c(repr(array).encode(), fingerprint)
+    return Catalog(location.url, metadata, items, indexed=False, committed=True, signature=zarr_signature(location, options),
+                   format="zarr", fingerprint=fingerprint, _layouts=layouts)
 
-    def __init__(self, location: Location, options: MegatronOptions):
-        check_complete(location, "zarr", options)
-        self.location = location
-        self.url = location.url
-        array_paths, object_paths = find_entries(location)
-        self.arrays = {path: parse_zarray(location, path) for path in array_paths}
-        self.objects = {path.removesuffix(".pt"): path for path in object_paths}
-        self.metadata = build_metadata(
-            {key: tensor_metadata(a.dtype, a.shape, _grid(a)) for key, a in self.arrays.items()},
-            list(self.objects),
-        )
-        self._stores: dict[str, Any] = {}
-        self._lock = threading.Lock()
 
-    def signature(self) -> tuple[Any, ...]:
-        return (self.location.signature(METADATA_JSON),)
-
-    def chunk_files(self, index: MetadataIndex) -> list[str]:
-        if index.offset is None:
-            return [self.objects[index.fqn]]
-        return [self.arrays[index.fqn].chunk_file(tuple(index.offset))]
-
-    def read_bytes(self, fqn: str) -> bytes:
-        return self.location.read_bytes(self.objects[fqn])
-
-    def read_tensor(
-        self, index: MetadataIndex, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor
-    ) -> ChunkRead:
-        array = self.arrays[index.fqn]
-        start = tuple(c + o for c, o in zip(index.offset, offsets))
-        region = tuple(slice(s, s + n) for s, n in zip(start, lengths))
-        try:
-            data = self._store(array)[region].read().result()
-        except (ValueError, RuntimeError) as exc:
-            raise CheckpointError(
-                f"{self.url}: zarr array {index.fqn!r} region {[[s.start, s.stop] for s in region]}: {exc}"
-            ) from None
-        if array.dtype == torch.bfloat16:
-            dest.copy_(torch.from_numpy(np.ascontiguousarray(data).view(np.uint16)).view(torch.bfloat16))
-        else:
-            dest.copy_(torch.from_numpy(np.ascontiguousarray(data)))
-        chunk_bytes = numel(array.chunks) * array.dtype.itemsize
-        return ChunkRead(chunk_bytes, frozenset({array.chunk_file(tuple(index.offset))}))
-
-    def _store(self, array: ZarrArray) -> Any:
-        with self._lock:
-            store = self._stores.get(array.path)
-            if store is None:
-                store = ts.open(self._spec(array), read=True).result()
-                self._stores[array.path] = store
-            return store
-
-    def _spec(self, array: ZarrArray) -> dict[str, Any]:
-        if self.location.is_local:
-            kvstore: Any = {"driver": "file", "path": self.location.path(array.path) + "/"}
-        else:
-            kvstore = f"{self.url}/{array.path}/"
-        return {"driver": "zarr", "kvstore": kvstore, "fill_missing_data_reads": False}
+def zarr_signature(location: Location, options: MegatronOptions | None) -> tuple[Any, ...]:
+    return (location.signature(METADATA_JSON),)
 
 
 def _grid(array: ZarrArray) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

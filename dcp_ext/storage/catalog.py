@@ -50,6 +50,8 @@ class Catalog:
     copies: dict[MetadataIndex, list[StoredItem]] = field(default_factory=dict)  # TP-replica copies
     format: str = "dcp"  # "safetensors": no checksums recorded (see safetensors_catalog)
     fingerprint: int = 0  # CRC32C of the metadata as stored: tells one checkpoint from another
+    inline: dict[MetadataIndex, bytes] = field(default_factory=dict)  # bytes items a format synthesizes (no I/O)
+    cache_key: Any = None  # the metadata cache entry it came from (set by MetadataCache.open)
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -224,25 +226,25 @@ class MetadataCache:
     def clear(self) -> None:
         self._catalogs.clear()
 
-    def evict(self, location: Location, signature: tuple[Any, ...]) -> None:
-        """Forget the entry of ``location`` if it still has ``signature``: a load found one of
-        its data files missing, so the entry may be stale in a way no signature showed."""
-        key = location.cache_key()
-        catalog = self._catalogs.get(key)
-        if catalog is not None and catalog.signature == signature:
-            self._catalogs.discard(key, catalog)
+    def evict(self, catalog: Catalog) -> None:
+        """Forget ``catalog``'s entry if it still holds it: a load found one of its data
+        files missing, so the entry may be stale in a way no signature showed."""
+        if catalog.cache_key is not None:
+            self._catalogs.discard(catalog.cache_key, catalog)
 
     def open(
         self,
         location: Location,
         read: Callable[[Location], Catalog] = read_catalog,
         signature: Callable[[Location], tuple[Any, ...]] = catalog_signature,
+        variant: tuple[Any, ...] = (),
     ) -> tuple[Catalog, bool]:
         """Return (catalog, whether metadata was actually read from storage).
 
         ``read`` / ``signature``: how this checkpoint's format is parsed and fingerprinted
-        (DCP by default; see ``catalog_formats``)."""
-        key = location.cache_key()
+        (DCP by default; see ``catalog_formats``); ``variant``: the format and its options,
+        so one directory read two ways keeps two entries."""
+        key = (location.cache_key(), *variant)
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
@@ -254,6 +256,7 @@ class MetadataCache:
                     return hit, False
                 catalog = read(location)
                 if signature(location) == catalog.signature:  # not rewritten while we read
+                    catalog.cache_key = key
                     self._catalogs.put(key, catalog)
                     return catalog, True
             assert catalog is not None

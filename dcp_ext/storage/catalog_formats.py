@@ -1,7 +1,15 @@
-"""Which catalog a checkpoint directory is read as: DCP (``.metadata``) or safetensors.
+"""Which format a checkpoint directory is read as; formats register themselves here.
 
-Both end as a ``Catalog`` (metadata + byte locations), so every load, the metadata
-cache, ``dcp-ext inspect`` and ``verify`` take one path whatever wrote the files.
+Every on-disk format ends as a ``Catalog``: DCP metadata plus, for each stored item, the
+file and byte range that hold it and its tensor layout. That is the *source* side of a
+load; executors (local scatter reads, the two-stage exchange) run the byte-range requests
+a catalog yields, so every format gets the same reads, stats, reports, fsspec URLs,
+two-stage exchange and checksum checks. DCP (ours and stock) and safetensors register in
+this module; ``dcp_ext.megatron`` registers Megatron zarr and legacy ``mp_rank_*`` and the
+torch_dist view, so storage never imports a format package above it.
+
+To add a format: write ``read(location, options) -> Catalog`` and a cheap ``signature``,
+and ``register_format`` it with a ``detect`` test.
 """
 
 from __future__ import annotations
@@ -10,32 +18,69 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_ext.storage.catalog import METADATA_CACHE, Catalog, catalog_signature, read_catalog
+from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, catalog_signature, read_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.safetensors_catalog import read_safetensors_catalog, safetensors_files, safetensors_signature
 
 
 @dataclass(frozen=True)
 class CatalogFormat:
+    """One on-disk format.
+
+    ``options`` is what the reader was given for formats that need choices (today
+    ``ShardReader(megatron=MegatronOptions(...))``); ``options_key`` makes it part of the
+    metadata cache key, so two option sets never share a parsed catalog.
+    """
+
     name: str
-    read: Callable[[Location], Catalog]
-    signature: Callable[[Location], tuple[Any, ...]]
+    detect: Callable[[Location], bool]
+    read: Callable[[Location, Any], Catalog]
+    signature: Callable[[Location, Any], tuple[Any, ...]]
     checksums: bool  # whether the format records checksums a verified read can check
+    options_key: Callable[[Any], tuple[Any, ...]] = lambda options: ()
 
 
-DCP = CatalogFormat("dcp", read_catalog, catalog_signature, checksums=True)
-SAFETENSORS = CatalogFormat("safetensors", read_safetensors_catalog, safetensors_signature, checksums=False)
-FORMATS = {f.name: f for f in (DCP, SAFETENSORS)}
+View = Callable[[Location, Catalog, Any], Catalog]  # adjusts a catalog after it is read (torch_dist)
+
+FORMATS: dict[str, CatalogFormat] = {}
+_VIEWS: list[View] = []
+
+
+def register_format(fmt: CatalogFormat) -> None:
+    """Add a format; formats are detected in registration order, DCP first."""
+    FORMATS[fmt.name] = fmt
+
+
+def register_view(view: View) -> None:
+    _VIEWS.append(view)
+
+
+register_format(CatalogFormat(
+    "dcp", lambda location: location.exists(METADATA_NAME), lambda location, _: read_catalog(location),
+    lambda location, _: catalog_signature(location), checksums=True,
+))
+register_format(CatalogFormat(
+    "safetensors", lambda location: bool(safetensors_files(location)),
+    lambda location, _: read_safetensors_catalog(location), lambda location, _: safetensors_signature(location),
+    checksums=False,
+))
 
 
 def catalog_format(location: Location) -> CatalogFormat:
-    """Safetensors for a directory of ``*.safetensors`` files without ``.metadata``; else DCP."""
-    return SAFETENSORS if safetensors_files(location) else DCP
+    """The first registered format that recognises the directory; DCP when none does (its
+    reader then reports the missing ``.metadata``)."""
+    return next((fmt for fmt in FORMATS.values() if fmt.detect(location)), FORMATS["dcp"])
 
 
-def open_catalog(location: Location, cached: bool = True) -> tuple[Catalog, bool]:
-    """(catalog, whether metadata was read from storage), through the process cache."""
+def open_catalog(location: Location, cached: bool = True, options: Any = None) -> tuple[Catalog, bool]:
+    """(catalog with every registered view applied, whether metadata was read from storage)."""
     fmt = catalog_format(location)
+    read = lambda loc: fmt.read(loc, options)  # noqa: E731
+    signature = lambda loc: fmt.signature(loc, options)  # noqa: E731
     if cached:
-        return METADATA_CACHE.open(location, fmt.read, fmt.signature)
-    return fmt.read(location), True
+        catalog, was_read = METADATA_CACHE.open(location, read, signature, (fmt.name, *fmt.options_key(options)))
+    else:
+        catalog, was_read = read(location), True
+    for view in _VIEWS:
+        catalog = view(location, catalog, options)
+    return catalog, was_read

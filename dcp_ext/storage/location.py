@@ -138,6 +138,12 @@ class Location:
         except PermissionError as exc:
             raise CheckpointError(f"{self.url}: cannot read {name} ({exc.strerror})") from None
 
+    def open_file(self, name: str) -> IO[bytes]:
+        """A seekable binary file object, for parsers that read a file's structure
+        (zip directories, pickles) with seeks; data reads go through ``open_reader``."""
+        full = self.path(name)
+        return open(full, "rb") if self.fs is None else self.fs.open(full, "rb")  # noqa: SIM115
+
     @contextlib.contextmanager
     def open_reader(self, name: str, key: str = "") -> Iterator[RangeReader]:
         full = self.path(name, key)

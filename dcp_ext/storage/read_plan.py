@@ -202,9 +202,10 @@ def tensor_requests(
     box = BoxRead(item.relative_path, key, layout, item.offset + layout.payload_offset, box_offsets, box_lengths, dest)
     if verify and (item.checksum is not None or layout.payload_crc32 is not None):
         return [_verified_request(item, box, where)]
-    if not layout.is_dense():
-        return [_storage_request(box)]
-    return [_dense_request(slab) for slab in _slabs(box)]
+    if not layout.is_row_major():
+        return [_strided_request(box)]
+    view = replace(box, base=box.base + layout.storage_offset * layout.dtype.itemsize)  # the view's first byte
+    return [_dense_request(slab) for slab in _slabs(view)]
 
 
 def _slabs(box: BoxRead) -> Iterator[BoxRead]:
@@ -276,13 +277,16 @@ def _span_request(box: BoxRead, first: int, last: int) -> Request:
     return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get())], lambda: box.copy_from(span.release(), -first))
 
 
-def _storage_request(box: BoxRead) -> Request:
-    """A record whose tensor is a strided view of its storage: read the storage, view, copy."""
+def _strided_request(box: BoxRead) -> Request:
+    """A record whose tensor is a strided (not row-major) view of its storage: read the span
+    of storage the box touches, then copy the box out with the view's strides."""
     layout = box.layout
-    storage = Scratch(layout.payload_nbytes // layout.dtype.itemsize, layout.dtype)
-    ranges = [(box.base, layout.payload_nbytes)]
-    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(storage.get())],
-                   lambda: box.copy_from(storage.release(), layout.storage_offset))
+    first = layout.storage_offset + sum(o * s for o, s in zip(box.offsets, layout.stride))
+    extent = 1 + sum((n - 1) * s for n, s in zip(box.lengths, layout.stride))
+    span = Scratch(extent, layout.dtype)
+    ranges = [(box.base + first * layout.dtype.itemsize, extent * layout.dtype.itemsize)]
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get())],
+                   lambda: box.copy_from(span.release(), layout.storage_offset - first))
 
 
 def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:

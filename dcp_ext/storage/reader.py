@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -19,19 +19,21 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
-from dcp_ext.exchange.two_stage import DEFAULT_BUDGET_BYTES, LoadIdentity, TwoStageExchange
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.torch_record import TensorLayout
-from dcp_ext.megatron.base import MegatronOptions, MegatronSource
-from dcp_ext.megatron.detect import open_source
-from dcp_ext.megatron.reading import read_source_items
-from dcp_ext.megatron.torch_dist import torch_dist_view
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
+from dcp_ext.storage.executors import (
+    DEFAULT_BUDGET_BYTES,
+    EXECUTORS,
+    LoadIdentity,
+    ReadSettings,
+    default_thread_count,
+)
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
     Request,
@@ -41,9 +43,8 @@ from dcp_ext.storage.read_plan import (
     transformed_request,
 )
 
-TASK_BYTES = 32 << 20  # bytes one thread reads before the next task is picked
-SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
-GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
+if TYPE_CHECKING:
+    from dcp_ext.megatron.base import MegatronOptions
 
 
 @dataclasses.dataclass
@@ -61,12 +62,11 @@ class ReadStats:
     bytes_received: int = 0  # two-stage loads: from other ranks instead of storage
 
 
-def default_thread_count() -> int:
-    return max(4, min(16, os.cpu_count() or 1))
-
-
 class ShardReader(StorageReader):
-    """Reads DCP checkpoints written by ShardWriter or by stock DCP.
+    """Reads DCP checkpoints written by ShardWriter or by stock DCP, Megatron checkpoints
+    (torch_dist, zarr, legacy) and safetensors, all through one path: the directory's
+    format becomes a catalog of byte ranges (``catalog_formats``), which an executor reads
+    (``executors``: local scatter reads, or the two-stage exchange).
 
     Args:
         path: local directory or fsspec URL.
@@ -83,7 +83,7 @@ class ShardReader(StorageReader):
             which are detected from the directory; see ``dcp_ext.megatron.MegatronOptions``.
         two_stage: read every stored byte range once per ``group`` and exchange it with
             torch.distributed (see ``dcp_ext.exchange.two_stage``); needs an initialized
-            process group and applies to DCP checkpoints.
+            process group; applies to every format.
         group: the process group for ``two_stage`` (default: the whole job; pass the
             data-parallel group to mirror Megatron).
         exchange_budget_bytes: bytes of stored data in flight per two-stage batch.
@@ -114,8 +114,7 @@ class ShardReader(StorageReader):
     ):
         super().__init__()
         self.storage_options = storage_options
-        self.megatron = megatron or MegatronOptions()
-        self.source: MegatronSource | None = None  # set for zarr / legacy Megatron directories
+        self.megatron = megatron  # options of the Megatron formats (None: their defaults)
         self.location = Location(path, storage_options)
         self.thread_count = thread_count or default_thread_count()
         self.verify_checksums = verify_checksums
@@ -141,7 +140,6 @@ class ShardReader(StorageReader):
             self.location = Location(checkpoint_id, self.storage_options)
         self.load_id = uuid.uuid4().hex
         self.catalog = None
-        self.source = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Every rank calls this first in a load, so the load's figures start here."""
@@ -153,24 +151,19 @@ class ShardReader(StorageReader):
         return metadata
 
     def _open_metadata(self) -> Metadata:
-        self.source = open_source(self.location, self.megatron, self.cache_metadata)
-        if self.source is not None:
-            self._refuse_options_for(f"a Megatron {self.source.format} checkpoint")
-            return dataclasses.replace(self.source.metadata, storage_meta=StorageMeta(load_id=self.load_id))
         if self.two_stage and not dist.is_initialized():
             raise InvalidRequestError(
                 f"{self.location.url}: ShardReader(two_stage=True) exchanges bytes between ranks and needs an "
                 "initialized torch.distributed process group"
             )
-        self.catalog, was_read = open_catalog(self.location, self.cache_metadata)
+        self.catalog, was_read = open_catalog(self.location, self.cache_metadata, self.megatron)
         self.stats.metadata_reads += int(was_read)
         if self.verify_checksums and not FORMATS[self.catalog.format].checksums:
-            raise CheckpointError(
+            raise InvalidRequestError(
                 f"{self.location.url}: verify_checksums=True, but a {self.catalog.format} checkpoint records no "
                 "checksums to verify against; load it with verify_checksums=False"
             )
         self._check_committed(self.catalog)
-        self.catalog = torch_dist_view(self.location, self.catalog, self.megatron)
         metadata = self.catalog.metadata
         storage_meta = dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=self.load_id)
         return dataclasses.replace(metadata, storage_meta=storage_meta)
@@ -179,7 +172,7 @@ class ShardReader(StorageReader):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         self.dcp_rank = kwargs.get("rank")  # in dcp.load's process group: checked against two_stage's
-        if self.catalog is None and self.source is None:
+        if self.catalog is None:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -192,16 +185,21 @@ class ShardReader(StorageReader):
         started = time.perf_counter()
         self.clock.charge_rest("plan")
         planner = self._bytes_checked(planner)
-        if self.source is not None:
-            bytes_read, files = read_source_items(self.source, plan.items, planner, self.thread_count)
-            return self._finish_read(plan, bytes_read, files, started)
+        catalog = self._require_catalog()
+        settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes)
+        executor = EXECUTORS["two_stage" if self.two_stage else "local"](settings)
+        identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint, self.dcp_rank)
         requests: list[Request] = []
         commits: list[Callable[[], None]] = []
-        if self.two_stage:
-            bytes_read, files = self._read_two_stage(plan, planner, requests, commits)
-        else:
-            self._plan_requests(plan, planner, requests, commits)
-            bytes_read, files = self._execute(requests)
+        try:
+            self._plan_requests(catalog, plan, planner, requests, commits)
+        except Exception as exc:
+            if executor.collective:  # every rank must join, which shares the failure
+                executor.run([], identity, planning_error=exc)  # raises it on every rank
+            raise
+        bytes_read, files = executor.run(requests, identity)
+        self.clock.add("exchange", executor.seconds)
+        self.stats.bytes_received += executor.bytes_received
         for commit_item in commits:
             commit_item()
         return self._finish_read(plan, bytes_read, files, started)
@@ -215,31 +213,17 @@ class ShardReader(StorageReader):
 
     def _bytes_where(self, read_item: ReadItem) -> str:
         index = read_item.storage_index
-        if self.source is not None:
-            return f"{self.source.url}: files {self.source.chunk_files(index)} key {index.fqn!r}"
         return self._where(self._require_catalog().item_for_rank(index, self.rank).relative_path, index.fqn)
 
-    def _read_two_stage(
-        self, plan: LoadPlan, planner: LoadPlanner, requests: list[Request], commits: list[Callable[[], None]]
-    ) -> tuple[int, set[str]]:
-        """Plan and fill the requests through the group's exchange; returns (bytes read, files)."""
-        exchange = TwoStageExchange(self.location, self.group, self.exchange_budget_bytes, self.thread_count)
-        catalog = self._require_catalog()
-        identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint, self.dcp_rank)
-        try:
-            self._plan_requests(plan, planner, requests, commits)
-        except Exception as exc:  # every rank must join the exchange, which shares the failure
-            return exchange.run([], identity, planning_error=exc)  # raises it on every rank
-        bytes_read, files = exchange.run(requests, identity)
-        self.clock.add("exchange", exchange.seconds)
-        self.stats.bytes_received += exchange.bytes_received
-        return bytes_read, files
-
     def _plan_requests(
-        self, plan: LoadPlan, planner: LoadPlanner, requests: list[Request], commits: list[Callable[[], None]]
+        self,
+        catalog: Catalog,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        requests: list[Request],
+        commits: list[Callable[[], None]],
     ) -> None:
         """Byte-range requests for the plan's items, and what to commit once they land."""
-        catalog = self._require_catalog()
         self._check_files(catalog, plan.items)
         layouts = self._layouts(catalog, plan.items)
         for read_item in plan.items:
@@ -282,16 +266,6 @@ class ShardReader(StorageReader):
         assert self.catalog is not None
         return self.catalog
 
-    def _refuse_options_for(self, what: str) -> None:
-        """Options the Megatron zarr/legacy sources cannot honour are errors, not no-ops."""
-        unsupported = [name for name in ("verify_checksums", "two_stage") if getattr(self, name)]
-        if unsupported:
-            raise InvalidRequestError(
-                f"{self.location.url}: {', '.join(f'{n}=True' for n in unsupported)} cannot apply to {what}: it "
-                "records no checksums and is read through its own decoder, not byte ranges; load it without "
-                "them, or convert it once (dcp-ext convert) and load the result"
-            )
-
     def _check_committed(self, catalog: Catalog) -> None:
         required = not self.location.is_local if self.require_commit_marker is None else self.require_commit_marker
         if required and not catalog.committed:
@@ -308,8 +282,8 @@ class ShardReader(StorageReader):
 
         Either way the cached metadata is dropped, so the next load reads it again."""
         catalog = self._require_catalog()
-        METADATA_CACHE.evict(self.location, catalog.signature)
-        if FORMATS[catalog.format].signature(self.location) != catalog.signature:
+        METADATA_CACHE.evict(catalog)
+        if FORMATS[catalog.format].signature(self.location, self.megatron) != catalog.signature:
             return CheckpointError(
                 f"{self._where(path, key)}: data file is gone because a newer save was committed into "
                 "this directory while the load ran; load again to get the new checkpoint"
@@ -367,6 +341,10 @@ class ShardReader(StorageReader):
         commits: list[Callable[[], None]],
     ) -> list[Request]:
         index = read_item.storage_index
+        if index in catalog.inline:  # a bytes item the format synthesized: nothing to read
+            data = catalog.inline[index]
+            commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(data)))
+            return []
         stored = catalog.item_for_rank(index, self.rank)
         where = self._where(stored.relative_path, index.fqn)
         if read_item.type == LoadItemType.BYTE_IO or stored.transforms:
@@ -411,62 +389,3 @@ class ShardReader(StorageReader):
                 f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
             )
         return dest
-
-    # -- execution -----------------------------------------------------------------------
-    def _execute(self, requests: list[Request]) -> tuple[int, set[str]]:
-        """Run requests grouped per file in offset order, spread over threads."""
-        requests.sort(key=lambda r: (r.path, r.start))
-        tasks: list[list[Request]] = []
-        task_bytes = 0
-        for request in requests:
-            if not tasks or tasks[-1][0].path != request.path or task_bytes >= TASK_BYTES:
-                tasks.append([])
-                task_bytes = 0
-            tasks[-1].append(request)
-            task_bytes += request.nbytes
-        if not tasks:
-            return 0, set()
-        with ThreadPoolExecutor(min(self.thread_count, len(tasks)), thread_name_prefix="dcp_ext-read") as pool:
-            totals = list(pool.map(self._run_task, tasks))
-        return sum(totals), {task[0].path for task in tasks}
-
-    def _run_task(self, task: list[Request]) -> int:
-        path = task[0].path
-        runs = _coalesce(task)
-        total = 0
-        try:
-            with self.location.open_reader(path, task[0].key) as reader:
-                for offset, buffers in runs:
-                    total += reader.read_into(offset, buffers)
-        except FileNotFoundError:
-            raise self._missing(path, task[0].key) from None
-        except OSError as exc:
-            raise CheckpointError(f"{self._where(path, task[0].key)}: cannot read ({exc})") from exc
-        for request in task:
-            request.complete()
-        return total
-
-
-def _coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:
-    """Merge the ranges of a task into scatter reads, reading small holes into scratch."""
-    runs: list[tuple[int, list[Any]]] = []
-    end = -1
-    merged = 0  # bytes of the open run: holes under 1/32 of it are read through
-    for request in task:
-        targets = iter(request.targets())
-        for offset, length in request.ranges:
-            buffers, filled = [], 0
-            while filled < length:
-                buffers.append(next(targets))
-                filled += buffers[-1].nbytes
-            gap = offset - end
-            if runs and 0 <= gap <= max(SMALL_GAP_BYTES, min(GAP_BYTES, merged // 32)):
-                if gap:
-                    runs[-1][1].append(memoryview(bytearray(gap)))
-                runs[-1][1].extend(buffers)
-                merged += gap + length
-            else:
-                runs.append((offset, buffers))
-                merged = length
-            end = offset + length
-    return runs

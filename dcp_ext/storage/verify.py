@@ -13,15 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import crc32c
-import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.formats.transforms import decode, record_limit
-from dcp_ext.megatron.base import MegatronOptions, MegatronSource
-from dcp_ext.megatron.detect import open_source
 from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.formats.data_files import is_data_file
@@ -77,9 +74,6 @@ def verify_checkpoint(
     location = Location(path, storage_options)
     report = VerifyReport(location.url)
     try:
-        source = open_source(location, MegatronOptions(), cached=False)
-        if source is not None:
-            return _verify_source(source, report, progress)
         catalog, _ = open_catalog(location, cached=False)
     except CheckpointError as exc:
         report.faults.append(str(exc))
@@ -153,47 +147,6 @@ def _check_item(  # noqa: ANN001
         return None  # a stock bytes item carries no checksum
     if value != expected:
         return f"{algorithm} mismatch (recorded {expected:#010x}, read {value:#010x})"
-    return None
-
-
-def _verify_source(source: MegatronSource, report: VerifyReport, progress: Callable[[int, int], None] | None) -> VerifyReport:
-    """Megatron zarr / legacy: no checksums are recorded, so read every chunk and bytes item
-    through the source (which checks files, shapes and sizes) and check chunk coverage."""
-    entries = source.metadata.state_dict_metadata
-    report.committed = True
-    files: set[str] = set()
-    total = sum(numel(c.sizes) * md.properties.dtype.itemsize
-                for md in entries.values() if isinstance(md, TensorStorageMetadata) for c in md.chunks)
-    for fqn, md in entries.items():
-        if not isinstance(md, TensorStorageMetadata):
-            index = MetadataIndex(fqn)
-            fault = _read_fault(lambda: source.read_bytes(fqn))
-            report.items_without_checksum += 1
-        else:
-            report.faults.extend(chunk_faults(fqn, md))
-            for chunk in md.chunks:
-                index = MetadataIndex(fqn, chunk.offsets)
-                dest = torch.empty(tuple(chunk.sizes), dtype=md.properties.dtype)
-                fault = _read_fault(lambda: source.read_tensor(index, (0,) * len(chunk.sizes), tuple(chunk.sizes), dest))
-                report.bytes_checked += dest.nbytes
-                report.items_without_checksum += 1
-                if fault:
-                    break
-                report.items_checked += 1
-                if progress:
-                    progress(report.bytes_checked, total)
-        files.update(source.chunk_files(index))
-        if fault:
-            report.faults.append(f"key {fqn!r}: {fault}")
-    report.files = len(files)
-    return report
-
-
-def _read_fault(read: Callable[[], object]) -> str | None:
-    try:
-        read()
-    except (CheckpointError, OSError, RuntimeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
     return None
 
 

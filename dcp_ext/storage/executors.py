@@ -1,0 +1,144 @@
+"""Executors: how one rank's byte-range requests are run, whatever format made them.
+
+A load's source side (a ``Catalog`` of any registered format) turns DCP read items into
+``Request``s; an executor fills them. ``ScatterReads`` (here) reads each file's ranges on
+a thread pool, merged into scatter reads straight into the destinations. The two-stage
+exchange (``dcp_ext.exchange``) registers itself as ``"two_stage"``: it reads every byte
+range once per process group and sends it to the ranks that need it. Storage picks one by
+name, so it never imports the exchange package above it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dcp_ext.errors import CheckpointError
+from dcp_ext.storage.location import Location
+from dcp_ext.storage.read_plan import Request
+
+TASK_BYTES = 32 << 20  # bytes one thread reads before the next task is picked
+SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
+GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
+DEFAULT_BUDGET_BYTES = 256 << 20  # two-stage: bytes of stored data in flight per batch
+
+
+def default_thread_count() -> int:
+    return max(4, min(16, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class LoadIdentity:
+    """What every member of an exchange group must share: the checkpoint (its canonical
+    location and the fingerprint of its metadata) and the group ``dcp.load`` runs on."""
+
+    location: str
+    fingerprint: int
+    dcp_rank: int | None  # this rank's rank in dcp.load's process group (None: not told)
+
+
+@dataclass(frozen=True)
+class ReadSettings:
+    """What an executor is built from (a ShardReader's options for this load)."""
+
+    location: Location
+    thread_count: int
+    missing: Callable[[str, str], Exception]  # (file, key) -> the error for a missing data file
+    group: Any = None  # two-stage: the exchange's process group (None: the whole job)
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+
+
+class Executor(Protocol):
+    seconds: float  # time spent exchanging with other ranks (0 for local reads)
+    bytes_received: int  # bytes other ranks sent this one
+
+    collective: bool  # every rank of the group must call run, even one whose planning failed
+
+    def run(
+        self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
+    ) -> tuple[int, set[str]]:
+        """Fill every request; returns (bytes read from storage, files opened)."""
+
+
+EXECUTORS: dict[str, Callable[[ReadSettings], Executor]] = {}
+
+
+def register_executor(name: str, factory: Callable[[ReadSettings], Executor]) -> None:
+    EXECUTORS[name] = factory
+
+
+class ScatterReads:
+    """Requests grouped per file in offset order, spread over a thread pool."""
+
+    seconds = 0.0
+    bytes_received = 0
+    collective = False
+
+    def __init__(self, settings: ReadSettings):
+        self.settings = settings
+
+    def run(
+        self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
+    ) -> tuple[int, set[str]]:
+        if planning_error is not None:
+            raise planning_error
+        requests.sort(key=lambda r: (r.path, r.start))
+        tasks: list[list[Request]] = []
+        task_bytes = 0
+        for request in requests:
+            if not tasks or tasks[-1][0].path != request.path or task_bytes >= TASK_BYTES:
+                tasks.append([])
+                task_bytes = 0
+            tasks[-1].append(request)
+            task_bytes += request.nbytes
+        if not tasks:
+            return 0, set()
+        with ThreadPoolExecutor(min(self.settings.thread_count, len(tasks)), thread_name_prefix="dcp_ext-read") as pool:
+            totals = list(pool.map(self._run_task, tasks))
+        return sum(totals), {task[0].path for task in tasks}
+
+    def _run_task(self, task: list[Request]) -> int:
+        path, key = task[0].path, task[0].key
+        total = 0
+        try:
+            with self.settings.location.open_reader(path, key) as reader:
+                for offset, buffers in coalesce(task):
+                    total += reader.read_into(offset, buffers)
+        except FileNotFoundError:
+            raise self.settings.missing(path, key) from None
+        except OSError as exc:
+            raise CheckpointError(f"{self.settings.location.url}: file {path!r} key {key!r}: cannot read ({exc})") from exc
+        for request in task:
+            request.complete()
+        return total
+
+
+register_executor("local", ScatterReads)
+
+
+def coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:
+    """Merge the ranges of a task into scatter reads, reading small holes into scratch."""
+    runs: list[tuple[int, list[Any]]] = []
+    end = -1
+    merged = 0  # bytes of the open run: holes under 1/32 of it are read through
+    for request in task:
+        targets = iter(request.targets())
+        for offset, length in request.ranges:
+            buffers, filled = [], 0
+            while filled < length:
+                buffers.append(next(targets))
+                filled += buffers[-1].nbytes
+            gap = offset - end
+            if runs and 0 <= gap <= max(SMALL_GAP_BYTES, min(GAP_BYTES, merged // 32)):
+                if gap:
+                    runs[-1][1].append(memoryview(bytearray(gap)))
+                runs[-1][1].extend(buffers)
+                merged += gap + length
+            else:
+                runs.append((offset, buffers))
+                merged = length
+            end = offset + length
+    return runs
