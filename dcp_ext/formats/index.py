@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.data_files import check_relative_name
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
 from dcp_ext.runtime.gc_pause import gc_paused
 
@@ -417,7 +418,6 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
 
 
 def _check_locations(names: list[str], cols: _Columns, source: str) -> None:
-    from dcp_ext.storage.location import check_relative_name  # storage builds on formats
 
     codes, first_rows = np.unique(cols.file, return_index=True)
     for code, row in zip(codes.tolist(), first_rows.tolist()):

@@ -18,7 +18,7 @@ from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
-from dcp_ext.storage.location import check_relative_name
+from dcp_ext.formats.data_files import check_relative_name
 
 _INT = int
 

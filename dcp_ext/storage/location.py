@@ -18,25 +18,10 @@ from typing import IO, Any
 import fsspec
 
 from dcp_ext.errors import CheckpointError, StorageFullError, UnsafeCheckpointError
+from dcp_ext.formats.data_files import check_relative_name
 
 IOV_MAX = 1024  # scatter buffers per preadv call (the Linux limit)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-def check_relative_name(root: str, name: object, key: str = "") -> str:
-    """Return ``name`` if it is a plain relative path inside the checkpoint, else raise."""
-    where = f" (key {key!r})" if key else ""
-    if not isinstance(name, str) or not name:
-        raise UnsafeCheckpointError(f"{root}: file name {name!r}{where} is not a non-empty string")
-    parts = name.replace("\\", "/").split("/")
-    if name.startswith(("/", "\\")) or "\x00" in name or ":" in parts[0] or any(
-        p in ("", ".", "..") for p in parts
-    ):
-        raise UnsafeCheckpointError(
-            f"{root}: file name {name!r}{where} escapes the checkpoint directory; "
-            "expected a relative name such as '__0_0.distcp'"
-        )
-    return name
 
 
 class Location:
