@@ -37,10 +37,8 @@ def load_common_state(
         checkpoint = LegacyCheckpoint(location, options)  # its tensors are layouts: load the values
         path = checkpoint.files[(0, 0, 0)]
         where = f"{location.url}/{path}"
-        if location.is_local:
-            state = safe_torch_load(location.path(path), where, mmap=True)
-        else:
-            state = safe_torch_load(location.read_bytes(path), where)
+        local = location.local_file(path)  # memory-mapped: the weights in that file stay unread
+        state = safe_torch_load(local, where, mmap=True) if local else safe_torch_load(location.read_bytes(path), where)
         return {key: value for key, value in state.items() if key in checkpoint.common}
     if location.exists(COMMON_PT):
         return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}")

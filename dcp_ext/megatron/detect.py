@@ -12,7 +12,7 @@ from typing import Any
 
 from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions
 from dcp_ext.megatron.legacy import legacy_signature, read_legacy_catalog
-from dcp_ext.megatron.legacy_layout import is_legacy, list_dir
+from dcp_ext.megatron.legacy_layout import is_legacy
 from dcp_ext.megatron.torch_dist import METADATA_JSON, read_metadata_json, torch_dist_view
 from dcp_ext.megatron.zarr_format import has_zarr_arrays, read_zarr_catalog, zarr_signature
 from dcp_ext.storage.catalog_formats import CatalogFormat, register_format, register_view
@@ -25,7 +25,7 @@ def detect_format(location: Location) -> str | None:
     """"dcp" (torch_dist included), "zarr", "legacy", or None when nothing is recognized."""
     if location.exists(DCP_METADATA):
         return "dcp"
-    names = list_dir(location)
+    names = location.listdir()
     if METADATA_JSON in names:
         backend = read_metadata_json(location).get("sharded_backend")
         if backend == "zarr":

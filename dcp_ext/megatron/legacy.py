@@ -34,7 +34,6 @@ from dcp_ext.megatron.legacy_layout import (
     TRACKER,
     first_rank_file,
     is_rank_dir,
-    list_dir,
     parallelism,
     rank_files,
     resolve_iteration,
@@ -91,7 +90,7 @@ def read_legacy_catalog(location: Location, options: MegatronOptions | None) -> 
 def legacy_signature(location: Location, options: MegatronOptions | None) -> tuple[Any, ...]:
     """The tracker and every rank file of the chosen iteration: a new save changes one."""
     iteration_dir = resolve_iteration(location, (options or MegatronOptions()).iteration)
-    names = [f"{iteration_dir}/{d}" if iteration_dir else d for d in list_dir(location, iteration_dir) if is_rank_dir(d)]
+    names = [f"{iteration_dir}/{d}" if iteration_dir else d for d in location.listdir(iteration_dir) if is_rank_dir(d)]
     return (location.signature(TRACKER), *(location.signature(f"{d}/{MODEL_FILE}") for d in sorted(names)))
 
 
@@ -144,8 +143,9 @@ class LegacyCheckpoint:
 
     def _load(self, path: str) -> dict[str, Any]:
         where = f"{self.url}/{path}"
-        if self.location.is_local:
-            state = safe_torch_load(self.location.path(path), where, layout_only=True)
+        local = self.location.local_file(path)
+        if local:
+            state = safe_torch_load(local, where, layout_only=True)
         else:
             with self.location.open_file(path) as stream:
                 state = safe_torch_load(stream, where, layout_only=True)

@@ -9,7 +9,6 @@ the parallel sizes come from the ``args`` saved in the first file when present.
 from __future__ import annotations
 
 import itertools
-import os
 import posixpath
 import re
 from argparse import Namespace
@@ -38,16 +37,6 @@ class Parallelism:
         return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if self.pp > 1 else "") + (f"_{ep:03d}" if self.ep > 1 else "")
 
 
-def list_dir(location: Location, name: str = "") -> list[str]:
-    if not name:
-        return location.listdir()
-    full = location.path(name)
-    if location.is_local:
-        return os.listdir(full) if os.path.isdir(full) else []
-    assert location.fs is not None
-    return [posixpath.basename(p.rstrip("/")) for p in location.fs.ls(full, detail=False)]
-
-
 def is_rank_dir(name: str) -> bool:
     return _RANK_DIR.match(name) is not None
 
@@ -58,7 +47,7 @@ def is_legacy(names: list[str]) -> bool:
 
 def resolve_iteration(location: Location, iteration: int | str | None) -> str:
     """The directory (relative; "" when ``location`` is one iteration) to load."""
-    names = list_dir(location)
+    names = location.listdir()
     if iteration is None and any(_RANK_DIR.match(n) for n in names):
         return ""
     present = sorted(n for n in names if _ITER_DIR.match(n) or n == RELEASE)
@@ -83,7 +72,7 @@ def resolve_iteration(location: Location, iteration: int | str | None) -> str:
 
 def first_rank_file(location: Location, iteration_dir: str) -> str:
     """The TP0/PP0/EP0 file: the lexically first ``mp_rank_*`` directory."""
-    ranks = sorted(n for n in list_dir(location, iteration_dir) if _RANK_DIR.match(n))
+    ranks = sorted(n for n in location.listdir(iteration_dir) if _RANK_DIR.match(n))
     if not ranks:
         raise CheckpointError(f"{location.url}/{iteration_dir}: no mp_rank_* directories")
     return posixpath.join(iteration_dir, ranks[0], MODEL_FILE)
@@ -99,7 +88,7 @@ def parallelism(location: Location, iteration_dir: str, args: Namespace | None) 
         )
     numbers = [
         [int(g) for g in m.groups() if g is not None]
-        for m in map(_RANK_DIR.match, list_dir(location, iteration_dir))
+        for m in map(_RANK_DIR.match, location.listdir(iteration_dir))
         if m
     ]
     size = [max((n[i] for n in numbers if len(n) > i), default=0) + 1 for i in range(3)]
@@ -110,7 +99,7 @@ def parallelism(location: Location, iteration_dir: str, args: Namespace | None) 
 
 def rank_files(location: Location, iteration_dir: str, sizes: Parallelism) -> dict[tuple[int, int, int], str]:
     """Every (tp, pp, ep) -> file; raises naming the coordinates of any that is missing."""
-    present = set(list_dir(location, iteration_dir))
+    present = set(location.listdir(iteration_dir))
     files, missing = {}, []
     for tp, pp, ep in sizes.coordinates():
         directory = sizes.rank_dir(tp, pp, ep)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
@@ -51,15 +50,7 @@ class ZarrArray:
 
 def find_entries(location: Location) -> tuple[list[str], list[str]]:
     """(array directories, ShardedObject ``.pt`` files), relative to the checkpoint."""
-    if location.is_local:
-        names = [
-            os.path.relpath(os.path.join(parent, f), location.root).replace(os.sep, "/")
-            for parent, _, files in os.walk(location.root)
-            for f in files
-        ]
-    else:
-        assert location.fs is not None
-        names = [posixpath.relpath(p, location.root) for p in location.fs.find(location.root)]
+    names = location.walk()
     arrays = sorted(posixpath.dirname(n) for n in names if posixpath.basename(n) == ZARRAY and "/" in n)
     objects = sorted(n for n in names if n.endswith(".pt") and "/" in n and n != COMMON_PT)
     return arrays, objects

@@ -105,8 +105,7 @@ class ScatterReads:
         total = 0
         try:
             with self.settings.location.open_reader(path, key) as reader:
-                for offset, buffers in coalesce(task):
-                    total += reader.read_into(offset, buffers)
+                total = reader.read_runs(coalesce(task))
         except FileNotFoundError:
             raise self.settings.missing(path, key) from None
         except OSError as exc:
