@@ -93,6 +93,8 @@ class Catalog:
     def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
         """The copy of an item in ``rank``'s own data files if one exists, else the canonical one."""
         canonical = self.item(index)
+        if not self.copies:
+            return canonical
         own = rank_prefix(rank)
         if canonical.relative_path.startswith(own):
             return canonical

@@ -224,10 +224,11 @@ class ShardReader(StorageReader):
         commits: list[Callable[[], None]],
     ) -> None:
         """Byte-range requests for the plan's items, and what to commit once they land."""
-        self._check_files(catalog, plan.items)
-        layouts = self._layouts(catalog, plan.items)
-        for read_item in plan.items:
-            requests.extend(self._plan_item(catalog, read_item, planner, layouts, commits))
+        stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
+        self._check_files(plan.items, stored)
+        layouts = self._layouts(catalog, plan.items, stored)
+        for read_item, record in zip(plan.items, stored):
+            requests.extend(self._plan_item(catalog, read_item, record, planner, layouts, commits))
 
     def _finish_read(self, plan: LoadPlan, bytes_read: int, files: set[str], started: float) -> Future[None]:
         self.stats.bytes_read += bytes_read
@@ -293,33 +294,34 @@ class ShardReader(StorageReader):
     def _where(self, path: str, key: str) -> str:
         return f"{self.location.url}: file {path!r} key {key!r}"
 
-    def _check_files(self, catalog: Catalog, items: list[ReadItem]) -> None:
+    def _check_files(self, items: list[ReadItem], stored: list[StoredItem]) -> None:
         """Every file exists and holds every byte range the plan will touch."""
-        sizes: dict[str, int | None] = {}
-        for read_item in items:
-            stored = catalog.item_for_rank(read_item.storage_index, self.rank)
-            path = stored.relative_path
-            if path not in sizes:
-                self.location.path(path, read_item.storage_index.fqn)  # rejects escapes
-                sizes[path] = self.location.size(path)
-            size = sizes[path]
+        ends: dict[str, tuple[int, ReadItem]] = {}  # file -> the item reaching furthest into it
+        for read_item, record in zip(items, stored):
+            end = record.offset + record.length
+            known = ends.get(record.relative_path)
+            if known is None or end > known[0]:
+                ends[record.relative_path] = (end, read_item)
+        for path, (end, read_item) in ends.items():
+            key = read_item.storage_index.fqn
+            self.location.path(path, key)  # rejects escapes
+            size = self.location.size(path)
             if size is None:
-                raise self._missing(path, read_item.storage_index.fqn)
-            if stored.offset + stored.length > size:
+                raise self._missing(path, key)
+            if end > size:
                 raise CorruptCheckpointError(
-                    f"{self._where(path, read_item.storage_index.fqn)}: item needs bytes "
-                    f"[{stored.offset}, {stored.offset + stored.length}) but the file has {size} bytes (truncated?)"
+                    f"{self._where(path, key)}: item needs bytes up to {end} but the file has {size} bytes (truncated?)"
                 )
 
-    def _layouts(self, catalog: Catalog, items: list[ReadItem]) -> dict[Any, TensorLayout]:
+    def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> dict[Any, TensorLayout]:
         """Tensor layouts for the plan; stock records are parsed in parallel, once."""
-        indices = {
-            i.storage_index
-            for i in items
-            if i.type != LoadItemType.BYTE_IO and not catalog.item_for_rank(i.storage_index, self.rank).transforms
-        }
-        layouts = {index: catalog.known_layout(index, catalog.item_for_rank(index, self.rank)) for index in indices}
+        layouts: dict[Any, TensorLayout | None] = {}
+        for read_item, record in zip(items, stored):
+            index = read_item.storage_index
+            if read_item.type != LoadItemType.BYTE_IO and not record.transforms and index not in layouts:
+                layouts[index] = catalog.known_layout(index, record)
         missing = [index for index, layout in layouts.items() if layout is None]
+
         def probe(index: Any) -> TensorLayout:
             try:
                 return catalog.parse_layout(self.location, index)
@@ -330,12 +332,13 @@ class ShardReader(StorageReader):
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp_ext-probe") as pool:
                 for index, layout in zip(missing, pool.map(probe, missing)):
                     layouts[index] = layout
-        return layouts
+        return cast(dict[Any, TensorLayout], layouts)
 
     def _plan_item(
         self,
         catalog: Catalog,
         read_item: ReadItem,
+        stored: StoredItem,
         planner: LoadPlanner,
         layouts: dict[Any, TensorLayout],
         commits: list[Callable[[], None]],
@@ -345,7 +348,6 @@ class ShardReader(StorageReader):
             data = catalog.inline[index]
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(data)))
             return []
-        stored = catalog.item_for_rank(index, self.rank)
         where = self._where(stored.relative_path, index.fqn)
         if read_item.type == LoadItemType.BYTE_IO or stored.transforms:
             return [self._plan_whole_record(stored, read_item, planner, where, commits)]
