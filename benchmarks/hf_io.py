@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -161,6 +162,7 @@ def ceilings(workdir: str, nbytes: int, repeat: int) -> dict[str, float]:
 def measure_export(workdir: str, size_mib: int, repeat: int) -> dict[str, Any]:
     src = f"{workdir}/dcp"
     dcp.save(full_tensors(size_mib), storage_writer=ShardWriter(src), planner=ShardSavePlanner())
+    os.sync()  # the source's write-back must not run during the timed exports (the ceiling had none)
     seconds = []
     for n in range(repeat):
         dst = f"{workdir}/export{n}"

@@ -6,7 +6,8 @@ their checkpoint names; non-tensor items are skipped and reported.
 
 Streaming: every shard's header is known from the metadata alone, so it is written
 first, then tensors are loaded in batches of about ``BATCH_BYTES`` (a larger tensor
-alone) and appended; peak memory is about the largest tensor plus one batch. Everything
+alone) and appended, the next batch loading while the current one is written; peak
+memory is about two batches (or twice the largest tensor). Everything
 is written into a temporary directory beside ``dst`` and renamed into place, so a
 crashed export never leaves something that looks like a finished one.
 """
@@ -19,6 +20,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +37,7 @@ from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import ShardReader
 
 INDEX_NAME = "model.safetensors.index.json"
-BATCH_BYTES = 256 << 20
+BATCH_BYTES = 128 << 20  # two in memory at once: one written, the next loading
 
 
 @dataclass
@@ -93,11 +95,10 @@ def export_safetensors(
     staging.makedirs()
     try:
         total, done = sum(t.nbytes for t in tensors), 0
-        for name, shard in zip(names, shards):
-            for nbytes in _write_shard(reader, staging, name, shard):
-                done += nbytes
-                if progress is not None:
-                    progress(done, total)
+        for nbytes in _write_shards(reader, staging, names, shards):
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
         index = {"metadata": {"total_size": total}, "weight_map": {t.key: n for n, s in zip(names, shards) for t in s}}
         staging.write_bytes(INDEX_NAME, json.dumps(index, indent=2).encode(), sync=True)
         _publish(staging.root, target)
@@ -149,18 +150,38 @@ def _pack(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
     return groups
 
 
-def _write_shard(reader: ShardReader, directory: Location, name: str, shard: list[_Tensor]) -> Iterator[int]:
-    """Write one shard file, yielding the tensor bytes written after each batch."""
-    prefix, _ = encode_header({t.key: (t.dtype, t.shape) for t in shard}, {"format": "pt"})
-    with directory.create(name, sync=True) as f:
-        f.write(prefix)
-        for batch in _pack(shard, BATCH_BYTES):
-            state = {t.key: torch.empty(t.shape, dtype=t.source_dtype) for t in batch}
-            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
-            for tensor in batch:
-                data = state.pop(tensor.key).to(tensor.dtype).contiguous()
-                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-            yield sum(t.nbytes for t in batch)
+def _write_shards(reader: ShardReader, directory: Location, names: list[str], shards: list[list[_Tensor]]) -> Iterator[int]:
+    """Write every shard file, yielding the tensor bytes written after each batch."""
+    plan = [_pack(shard, BATCH_BYTES) for shard in shards]
+    loaded = _loaded_batches(reader, [batch for batches in plan for batch in batches])
+    for name, shard, batches in zip(names, shards, plan):
+        prefix, _ = encode_header({t.key: (t.dtype, t.shape) for t in shard}, {"format": "pt"})
+        with directory.create(name, sync=True) as f:
+            f.write(prefix)
+            for batch in batches:
+                state = next(loaded)
+                for tensor in batch:
+                    data = state.pop(tensor.key).to(tensor.dtype).contiguous()
+                    f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                yield sum(t.nbytes for t in batch)
+
+
+def _loaded_batches(reader: ShardReader, batches: list[list[_Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches' tensors in order; each batch loads on a helper thread while the one
+    before it is written, so reads and writes overlap."""
+    with ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-export") as pool:
+        pending = [pool.submit(_load_batch, reader, batches[0])] if batches else []
+        for i in range(len(batches)):
+            state = pending.pop().result()
+            if i + 1 < len(batches):
+                pending.append(pool.submit(_load_batch, reader, batches[i + 1]))
+            yield state
+
+
+def _load_batch(reader: ShardReader, batch: list[_Tensor]) -> dict[str, torch.Tensor]:
+    state = {t.key: torch.empty(t.shape, dtype=t.source_dtype) for t in batch}
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    return state
 
 
 def _publish(staging: str, target: str) -> None:
