@@ -5,7 +5,8 @@ A load's source side (a ``Catalog`` of any registered format) turns DCP read ite
 a thread pool, merged into scatter reads straight into the destinations. The two-stage
 exchange (``dcp_ext.exchange``) registers itself as ``"two_stage"``: it reads every byte
 range once per process group and sends it to the ranks that need it. Storage picks one by
-name, so it never imports the exchange package above it.
+name, so it never imports the exchange package above it. Requests that land off the CPU
+go through host staging buffers (``device_staging``) in ``ScatterReads``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.storage.device_staging import STAGING_BUFFER_BYTES, STAGING_BUFFERS, DeviceStaging
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
 
@@ -49,6 +51,8 @@ class ReadSettings:
     missing: Callable[[str, str], Exception]  # (file, key) -> the error for a missing data file
     group: Any = None  # two-stage: the exchange's process group (None: the whole job)
     budget_bytes: int = DEFAULT_BUDGET_BYTES
+    staging_buffers: int = STAGING_BUFFERS  # loads into device memory: host buffers held at most
+    staging_buffer_bytes: int = STAGING_BUFFER_BYTES
 
 
 class Executor(Protocol):
@@ -71,7 +75,10 @@ def register_executor(name: str, factory: Callable[[ReadSettings], Executor]) ->
 
 
 class ScatterReads:
-    """Requests grouped per file in offset order, spread over a thread pool."""
+    """Requests grouped per file in offset order, spread over a thread pool.
+
+    ``staging`` is the last run's host staging (None when every destination was on the CPU).
+    """
 
     seconds = 0.0
     bytes_received = 0
@@ -79,6 +86,7 @@ class ScatterReads:
 
     def __init__(self, settings: ReadSettings):
         self.settings = settings
+        self.staging: DeviceStaging | None = None
 
     def run(
         self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
@@ -96,16 +104,32 @@ class ScatterReads:
             task_bytes += request.nbytes
         if not tasks:
             return 0, set()
-        with ThreadPoolExecutor(min(self.settings.thread_count, len(tasks)), thread_name_prefix="dcp_ext-read") as pool:
-            totals = list(pool.map(self._run_task, tasks))
+        devices = {r.device for r in requests if r.device is not None}
+        settings = self.settings
+        self.staging = (
+            DeviceStaging.for_devices(devices, settings.staging_buffers, settings.staging_buffer_bytes) if devices else None
+        )
+        run_task = self._run_task if self.staging is None else self._run_staged_task
+        try:
+            with ThreadPoolExecutor(min(self.settings.thread_count, len(tasks)), thread_name_prefix="dcp_ext-read") as pool:
+                totals = list(pool.map(run_task, tasks))
+        finally:
+            if self.staging is not None:  # every copy has landed (or the load failed) past here
+                self.staging.finish()
         return sum(totals), {task[0].path for task in tasks}
+
+    def _run_staged_task(self, task: list[Request]) -> int:
+        assert self.staging is not None
+        with self.staging.device_work():  # temporaries, copies and completions on the side streams
+            return self._run_task(task)
 
     def _run_task(self, task: list[Request]) -> int:
         path, key = task[0].path, task[0].key
         total = 0
         try:
             with self.settings.location.open_reader(path, key) as reader:
-                total = reader.read_runs(coalesce(task))
+                runs = coalesce(task)
+                total = reader.read_runs(runs) if self.staging is None else self.staging.read(reader, runs)
         except FileNotFoundError:
             raise self.settings.missing(path, key) from None
         except OSError as exc:

@@ -7,6 +7,9 @@ straight into the destination's memory. Otherwise they go into a temporary buffe
 larger than the box (never the whole record) and are copied over. Boxes above
 ``SLAB_BYTES`` are split so temporary memory per request stays bounded. A record's conj
 and neg bits (``TensorLayout.conj`` / ``.neg``) are applied once the bytes have landed.
+A destination off the CPU gets the same requests with ``device`` set: their targets are
+``DeviceSpan``s of device memory (temporaries live on that device too), which the executor
+fills through host staging buffers (``device_staging``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dcp_ext.errors import ChecksumMismatchError, CorruptCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, numel
 from dcp_ext.formats.transforms import decode
+from dcp_ext.storage.device_staging import DeviceSpan, Target
 
 SLAB_BYTES = 32 << 20  # largest temporary buffer one request may allocate
 SMALL_RUN_BYTES = 4096  # runs below this are read as one span and copied with strides
@@ -37,8 +41,9 @@ class Request:
     path: str
     key: str
     ranges: list[tuple[int, int]]  # (file offset, length), ascending and disjoint
-    targets: Callable[[], list[memoryview]]  # allocated when the request runs
+    targets: Callable[[], list[Target]]  # allocated when the request runs
     complete: Callable[[], None] = lambda: None  # verify / copy into the destination
+    device: torch.device | None = None  # set: targets are DeviceSpans, filled through host staging
 
     @property
     def start(self) -> int:
@@ -49,30 +54,32 @@ class Request:
         return sum(length for _, length in self.ranges)
 
 
-def storage_bytes(tensor: torch.Tensor) -> memoryview:
-    """Writable bytes of a CPU tensor's whole storage (index with byte offsets)."""
+def storage_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
+    """Writable bytes of a tensor's whole storage (index with byte offsets): a memoryview
+    of host memory, or a DeviceSpan when the bytes go through host staging."""
     storage = tensor.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-    return memoryview(flat.numpy()).cast("B")
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device if staged else None)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    return DeviceSpan(flat) if staged else memoryview(flat.numpy()).cast("B")
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """Writable bytes of a contiguous CPU tensor."""
+def tensor_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
+    """Writable bytes of a contiguous tensor."""
     start = tensor.storage_offset() * tensor.element_size()
-    return storage_bytes(tensor)[start : start + tensor.numel() * tensor.element_size()]
+    return storage_bytes(tensor, staged)[start : start + tensor.numel() * tensor.element_size()]
 
 
 class Scratch:
     """A temporary tensor allocated when its request runs and dropped once copied out,
     so a load holds temporary memory only for the requests in flight."""
 
-    def __init__(self, shape: tuple[int, ...] | int, dtype: torch.dtype):
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device | None = None):
+        self.shape, self.dtype, self.device = shape, dtype, device
         self._tensor: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self._tensor is None:
-            self._tensor = torch.empty(self.shape, dtype=self.dtype)
+            self._tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self._tensor
 
     def release(self) -> torch.Tensor:
@@ -81,7 +88,7 @@ class Scratch:
 
 
 def _direct_capable(dest: torch.Tensor, dtype: torch.dtype) -> bool:
-    return dest.device.type == "cpu" and dest.dtype == dtype and not dest.is_conj() and not dest.is_neg()
+    return dest.dtype == dtype and not dest.is_conj() and not dest.is_neg()
 
 
 @dataclass(frozen=True)
@@ -92,10 +99,16 @@ class Verification:
     expected: int
     where: str
 
+    def update(self, value: int, piece: memoryview) -> int:
+        return crc32c.crc32c(piece, value) if self.algorithm == "crc32c" else zlib.crc32(piece, value)
+
     def check(self, pieces: list[memoryview]) -> None:
         value = 0
         for piece in pieces:
-            value = crc32c.crc32c(piece, value) if self.algorithm == "crc32c" else zlib.crc32(piece, value)
+            value = self.update(value, piece)
+        self.confirm(value)
+
+    def confirm(self, value: int) -> None:
         if value != self.expected:
             raise ChecksumMismatchError(
                 f"{self.where}: {self.algorithm} mismatch (recorded {self.expected:#010x}, read {value:#010x}); "
@@ -170,6 +183,7 @@ class BoxRead:
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     dest: torch.Tensor
+    device: torch.device | None = None  # set: the box lands through host staging (``Request.device``)
 
     def narrowed(self, dim: int, start: int, n: int) -> BoxRead:
         offsets = self.offsets[:dim] + (self.offsets[dim] + start,) + self.offsets[dim + 1 :]
@@ -195,11 +209,15 @@ def tensor_requests(
     key: str,
     where: str,
     verify: bool,
+    staged: bool = False,
 ) -> list[Request]:
-    """Requests that fill ``dest`` with the box of the stored chunk ``item``."""
+    """Requests that fill ``dest`` with the box of the stored chunk ``item``; through host
+    staging when ``dest`` is off the CPU (``staged`` forces it for a CPU ``dest``: tests)."""
     if numel(box_lengths) == 0:
         return []
-    box = BoxRead(item.relative_path, key, layout, item.offset + layout.payload_offset, box_offsets, box_lengths, dest)
+    device = dest.device if staged or dest.device.type != "cpu" else None
+    base = item.offset + layout.payload_offset
+    box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
     if verify and (item.checksum is not None or layout.payload_crc32 is not None):
         return [_verified_request(item, box, where)]
     if not layout.is_row_major():
@@ -246,21 +264,24 @@ def _dense_request(box: BoxRead) -> Request:
     if len(starts) > 1 and run_bytes < SMALL_RUN_BYTES:
         return _span_request(box, int(starts[0]), int(starts[-1]) + run)
     ranges = [(box.base + int(s) * dtype.itemsize, run_bytes) for s in starts]
-    block = box.dest[(0,) * outer] if outer else box.dest
+    staged = box.device is not None
+    block = box.dest if staged or not outer else box.dest[(0,) * outer]  # staged: one copy per buffer, not per run
     if _direct_capable(box.dest, dtype) and block.is_contiguous():
-        return Request(box.path, box.key, ranges, lambda: _dest_runs(box.dest, outer, run_bytes), box.resolve_in_place)
-    temp = Scratch(box.lengths, dtype)
+        return Request(box.path, box.key, ranges, lambda: _dest_runs(box.dest, outer, run_bytes, staged),
+                       box.resolve_in_place, box.device)
+    temp = Scratch(box.lengths, dtype, box.device)
 
-    def targets() -> list[memoryview]:
-        data = tensor_bytes(temp.get())
+    def targets() -> list[Target]:
+        data = tensor_bytes(temp.get(), staged)
         return [data[i * run_bytes : (i + 1) * run_bytes] for i in range(len(ranges))]
 
-    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(box.layout.values(temp.release())))
+    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(box.layout.values(temp.release())),
+                   box.device)
 
 
-def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryview]:
+def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int, staged: bool) -> list[Target]:
     """Memory of each run inside the destination, in the order the runs are read."""
-    data = storage_bytes(dest)
+    data = storage_bytes(dest, staged)
     itemsize = dest.element_size()
     starts = np.full(1, dest.storage_offset(), dtype=np.int64)
     for d in range(outer - 1, -1, -1):
@@ -272,9 +293,10 @@ def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int) -> list[memoryvie
 def _span_request(box: BoxRead, first: int, last: int) -> Request:
     """Many tiny runs: read their enclosing span [first, last) once, copy the box out with strides."""
     itemsize = box.layout.dtype.itemsize
-    span = Scratch(last - first, box.layout.dtype)
+    span = Scratch(last - first, box.layout.dtype, box.device)
     ranges = [(box.base + first * itemsize, (last - first) * itemsize)]
-    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get())], lambda: box.copy_from(span.release(), -first))
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get(), box.device is not None)],
+                   lambda: box.copy_from(span.release(), -first), box.device)
 
 
 def _strided_request(box: BoxRead) -> Request:
@@ -283,18 +305,22 @@ def _strided_request(box: BoxRead) -> Request:
     layout = box.layout
     first = layout.storage_offset + sum(o * s for o, s in zip(box.offsets, layout.stride))
     extent = 1 + sum((n - 1) * s for n, s in zip(box.lengths, layout.stride))
-    span = Scratch(extent, layout.dtype)
+    span = Scratch(extent, layout.dtype, box.device)
     ranges = [(box.base + first * layout.dtype.itemsize, extent * layout.dtype.itemsize)]
-    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get())],
-                   lambda: box.copy_from(span.release(), layout.storage_offset - first))
+    return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get(), box.device is not None)],
+                   lambda: box.copy_from(span.release(), layout.storage_offset - first), box.device)
 
 
 def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
-    """Read every byte the checksum covers, check it, then fill the destination."""
+    """Read every byte the checksum covers, check it, then fill the destination.
+
+    Staged bytes leave the host buffer once copied, so there the checksum runs piece by
+    piece as the staging hands the payload over (``DeviceSpan.tap``)."""
     layout = box.layout
+    staged = box.device is not None
     whole_chunk = box.lengths == layout.shape and layout.is_dense()
     direct = whole_chunk and _direct_capable(box.dest, layout.dtype) and box.dest.is_contiguous()
-    scratch = None if direct else Scratch(layout.payload_nbytes // layout.dtype.itemsize, layout.dtype)
+    scratch = None if direct else Scratch(layout.payload_nbytes // layout.dtype.itemsize, layout.dtype, box.device)
     if item.checksum is not None:  # our index: CRC32C of the whole record
         check = Verification("crc32c", item.checksum, where)
         head = bytearray(layout.payload_offset)
@@ -304,16 +330,25 @@ def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
         check = Verification("crc32", layout.payload_crc32, where)
         head = tail = bytearray()
         ranges = [(box.base, layout.payload_nbytes)]
+    progress: list[int] = []  # staged: the checksum of the bytes handed over so far
 
-    def targets() -> list[memoryview]:
-        storage = box.dest if scratch is None else scratch.get()
-        return [memoryview(head), tensor_bytes(storage), memoryview(tail)]
+    def tap(piece: memoryview) -> None:
+        progress.append(check.update(progress.pop() if progress else check.update(0, memoryview(head)), piece))
+
+    def targets() -> list[Target]:
+        payload = tensor_bytes(box.dest if scratch is None else scratch.get(), staged)
+        if isinstance(payload, DeviceSpan):
+            payload.tap = tap
+        return [memoryview(head), payload, memoryview(tail)]
 
     def complete() -> None:
-        check.check(targets())
+        if staged:
+            check.confirm(check.update(progress[0] if progress else check.update(0, memoryview(head)), memoryview(tail)))
+        else:
+            check.check(targets())  # host targets: memoryviews
         if scratch is None:
             box.resolve_in_place()
         else:
             box.copy_from(scratch.release(), layout.storage_offset)
 
-    return Request(item.relative_path, box.key, ranges, targets, complete)
+    return Request(item.relative_path, box.key, ranges, targets, complete, box.device)

@@ -24,6 +24,7 @@ from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
+from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
@@ -181,6 +182,7 @@ class ShardReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @gc_paused()  # a plan of thousands of items builds tens of thousands of objects, no garbage
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
         self.clock.charge_rest("plan")

@@ -1,0 +1,186 @@
+"""Loads into CUDA memory: stock DCP ``FileSystemReader`` versus ``ShardReader``, with the
+ceilings measured in the same run.
+
+One process, one GPU. A deterministic state dict of mixed tensor sizes (default ~4 GB:
+half in 128 MiB tensors, 30% in 8 MiB, 20% in 256 KiB; fp32 and bf16) is saved once with
+``ShardWriter``; both readers then load that checkpoint into preallocated, garbage-filled
+CUDA tensors, cold (page cache dropped) and warm. The ceilings:
+
+* disk read: sequential 16 MiB reads of one file of the same size into host memory,
+  cold and warm;
+* pinned H2D: ``Tensor.copy_(non_blocking=True)`` of a 256 MiB pinned buffer to the GPU,
+  the same number of bytes.
+
+Target (issue 16, item 4): ``ShardReader`` >= 0.8x of min(disk read, pinned H2D), cold and
+warm. The loaded values are checked bit-exact against the saved ones once.
+
+Usage::
+
+    python benchmarks/gpu_io.py                       # ~4 GB, 3 repeats, JSON to benchmarks/results/gpu_io.json
+    python benchmarks/gpu_io.py --size-gib 1 --repeat 5 --dir /mnt/nvme/tmp
+
+Without a CUDA device it prints one line to stderr and exits with status 77 (the automake
+convention for a skipped test), measuring and writing nothing. Cold runs drop the page
+cache (``/proc/sys/vm/drop_caches``, root only); when that is not permitted, cold figures
+are reported as null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SKIPPED = 77
+GB = 1e9
+READ_BYTES = 16 << 20
+PINNED_BYTES = 256 << 20
+MIX = ((128 << 20, 0.5), (8 << 20, 0.3), (256 << 10, 0.2))  # (tensor bytes, share of the total)
+TARGET = 0.8
+
+
+def build_state(total_bytes: int) -> dict[str, torch.Tensor]:
+    """Deterministic tensors (on the CPU) of the mix; every third one bf16."""
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    for size, share in MIX:
+        for n in range(max(1, int(total_bytes * share) // size)):
+            dtype = torch.bfloat16 if len(state) % 3 == 2 else torch.float32
+            rows = size // (1024 * dtype.itemsize)
+            state[f"t{size >> 10}k_{n}"] = torch.randn(rows, 1024, generator=g).to(dtype)
+    return state
+
+
+def drop_caches() -> bool:
+    """Drop the page cache; False when not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of ``fn`` up to the moment the GPU has finished its work."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def disk_read(path: Path) -> None:
+    buf = bytearray(READ_BYTES)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def pinned_h2d(total_bytes: int) -> Callable[[], None]:
+    host = torch.empty(PINNED_BYTES, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(PINNED_BYTES, dtype=torch.uint8, device="cuda")
+
+    def copy() -> None:
+        for _ in range(max(1, total_bytes // PINNED_BYTES)):
+            device.copy_(host, non_blocking=True)
+
+    return copy
+
+
+def garbage_dests(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.full(v.shape, float("nan"), dtype=v.dtype, device="cuda") for k, v in state.items()}
+
+
+def median(runs: list[float | None]) -> float | None:
+    """Median seconds (None when a figure could not be taken)."""
+    taken = [r for r in runs if r is not None]
+    return statistics.median(taken) if taken and len(taken) == len(runs) else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=4.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the checkpoint and the raw file go (default: a temp dir)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_io.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(f"gpu_io.py: no CUDA device: nothing measured (exit {SKIPPED}: skipped)", file=sys.stderr)
+        return SKIPPED
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_ext import ShardReader, ShardWriter, clear_caches
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_io_", dir=args.dir))
+    try:
+        state = build_state(int(args.size_gib * (1 << 30)))
+        total = sum(t.nbytes for t in state.values())
+        ckpt, raw = work / "ckpt", work / "raw.bin"
+        dcp.save(state, storage_writer=ShardWriter(ckpt))
+        with open(raw, "wb") as f:
+            for tensor in state.values():
+                f.write(memoryview(tensor.view(torch.uint8).numpy()))
+            os.fsync(f.fileno())
+        h2d = pinned_h2d(total)
+        readers = {"stock": lambda: dcp.FileSystemReader(ckpt), "dcp_ext": lambda: ShardReader(ckpt)}
+        times: dict[str, list[float | None]] = {
+            name: [] for name in ("disk_cold", "disk_warm", "h2d", *(f"{r}_{c}" for r in readers for c in ("cold", "warm")))
+        }
+        for _ in range(args.repeat):
+            times["disk_cold"].append(seconds(lambda: disk_read(raw)) if drop_caches() else None)
+            times["disk_warm"].append(seconds(lambda: disk_read(raw)))
+            times["h2d"].append(seconds(h2d))
+            for name, make in readers.items():
+                for cache in ("cold", "warm"):
+                    dest = garbage_dests(state)
+                    clear_caches()
+                    if cache == "cold" and not drop_caches():
+                        times[f"{name}_{cache}"].append(None)
+                        continue
+                    times[f"{name}_{cache}"].append(seconds(lambda d=dest, m=make: dcp.load(d, storage_reader=m())))
+                    del dest
+        dest = garbage_dests(state)
+        dcp.load(dest, storage_reader=ShardReader(ckpt))
+        exact = all(torch.equal(dest[k].cpu().view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
+        del dest
+        rate = {name: None if median(runs) is None else total / median(runs) / GB for name, runs in times.items()}
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "bytes": total,
+            "tensors": len(state),
+            "repeat": args.repeat,
+            "gb_per_s": rate,
+            "bit_exact": exact,
+            "target": TARGET,
+        }
+        for cache in ("cold", "warm"):
+            disk, ours, stock = rate[f"disk_{cache}"], rate[f"dcp_ext_{cache}"], rate[f"stock_{cache}"]
+            ceiling = None if disk is None else min(disk, rate["h2d"])
+            result[f"ceiling_{cache}"] = ceiling
+            result[f"dcp_ext_vs_ceiling_{cache}"] = None if ceiling is None else ours / ceiling
+            result[f"dcp_ext_vs_stock_{cache}"] = None if stock is None else ours / stock
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return 0 if exact else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Loads into device memory: disk reads land in a bounded pool of host buffers, and each
+filled buffer is copied to the device while the next one is read.
+
+A ``Request`` whose destination lives off the CPU (``Request.device``) hands the executor
+``DeviceSpan``s where a host request hands memoryviews: byte ranges of the destination (or
+of a temporary on its device, for boxes that need a strided gather, a dtype cast or the
+record's conj/neg bits). ``DeviceStaging.read`` carves those spans into pieces of at most
+one staging buffer, reads the file into the buffer, queues the buffer's host-to-device
+copies (``non_blocking``, on a side stream of the device), records an event and takes the
+next buffer; a buffer goes back to the pool only once its event has completed. So a load
+holds at most ``count`` buffers of host memory, pinned for CUDA (``pin_memory=True``, from
+torch's caching host allocator, so a later load reuses the pinned pages), never a
+temporary per request, and a request of any size flows through them piece by piece.
+``finish`` waits for every copy and every device operation the requests queued, so the
+destinations are complete when the executor returns.
+
+Nothing here is CUDA-only: on a CPU destination the stream is absent and copies are
+synchronous, which is how the tests drive this path on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from dcp_ext.storage.location import RangeReader
+
+STAGING_BUFFERS = 4  # host buffers one load may hold: 128 MiB with the default size
+STAGING_BUFFER_BYTES = 32 << 20  # one disk read / one host-to-device copy at most
+
+
+class DeviceSpan:
+    """Bytes of a 1-d ``uint8`` tensor (on a device, or a CPU tensor forced through staging)
+    that reads land in, where host requests use a memoryview.
+
+    ``tap`` sees the host copy of the span's bytes piece by piece, in file order, before
+    they leave for the device (a running checksum). Executors that assign bytes instead of
+    staging them (the two-stage exchange) copy through ``__setitem__``.
+    """
+
+    __slots__ = ("tensor", "tap")
+
+    def __init__(self, tensor: torch.Tensor, tap: Callable[[memoryview], None] | None = None):
+        self.tensor = tensor
+        self.tap = tap
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def __getitem__(self, part: slice) -> DeviceSpan:
+        return DeviceSpan(self.tensor[part])
+
+    def __setitem__(self, part: slice, data: memoryview) -> None:
+        if self.tap is not None:
+            self.tap(data)
+        if len(data):
+            self.tensor[part].copy_(torch.frombuffer(data, dtype=torch.uint8))
+
+
+Target = Union[memoryview, DeviceSpan]
+
+
+class StagingPool:
+    """At most ``count`` host buffers of ``buffer_bytes``, allocated on first need and reused.
+
+    A buffer released with events (its copies still in flight) is handed out again only
+    once they completed: a free buffer first, then a finished one, then a new one while
+    under ``count``, else the oldest in flight (waiting for its copies). ``allocated``
+    counts the buffers ever made; it never exceeds ``count``.
+    """
+
+    def __init__(self, count: int = STAGING_BUFFERS, buffer_bytes: int = STAGING_BUFFER_BYTES, pin: bool = False):
+        if count < 1 or buffer_bytes < 1:
+            raise ValueError(f"staging pool needs at least one buffer of at least one byte, got {count} x {buffer_bytes}")
+        self.count, self.buffer_bytes, self.pin = count, buffer_bytes, pin
+        self.allocated = 0
+        self._free: list[torch.Tensor] = []
+        self._in_flight: deque[tuple[torch.Tensor, list[Any]]] = deque()
+        self._changed = threading.Condition()
+
+    def acquire(self) -> torch.Tensor:
+        with self._changed:
+            while True:
+                if self._free:
+                    return self._free.pop()
+                oldest = self._in_flight[0] if self._in_flight else None
+                if oldest is not None and (self.allocated == self.count or all(e.query() for e in oldest[1])):
+                    self._in_flight.popleft()
+                    break
+                if self.allocated < self.count:
+                    self.allocated += 1
+                    oldest = None
+                    break
+                self._changed.wait()  # every buffer is being filled: one comes back soon
+        if oldest is None:
+            return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        buffer, events = oldest
+        for event in events:  # its copies were the first queued: the wait is the shortest
+            event.synchronize()
+        return buffer
+
+    def release(self, buffer: torch.Tensor, events: Sequence[Any] = ()) -> None:
+        """Give a buffer back; with ``events``, once they completed (its copies are done)."""
+        with self._changed:
+            if events:
+                self._in_flight.append((buffer, list(events)))
+            else:
+                self._free.append(buffer)
+            self._changed.notify()
+
+    def drain(self) -> None:
+        """Wait for every copy still reading from a buffer."""
+        with self._changed:
+            in_flight, self._in_flight = list(self._in_flight), deque()
+            for buffer, events in in_flight:
+                for event in events:
+                    event.synchronize()
+                self._free.append(buffer)
+            self._changed.notify_all()
+
+    @property
+    def idle(self) -> int:
+        """Buffers not being filled (free or with copies in flight)."""
+        with self._changed:
+            return len(self._free) + len(self._in_flight)
+
+
+@dataclass
+class _Piece:
+    """Part of a DeviceSpan staged at ``start`` in the current buffer."""
+
+    span: DeviceSpan
+    offset: int  # in the span
+    nbytes: int
+    start: int  # in the buffer
+
+
+class DeviceStaging:
+    """One load's host staging for every request that lands off the CPU.
+
+    Copies go to one side stream per CUDA device, which first waits for the work already
+    queued on the caller's stream (the destinations may just have been filled there).
+    """
+
+    def __init__(self, devices: set[torch.device], pool: StagingPool):
+        self.pool = pool
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        for device in devices:
+            if device.type == "cuda":
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                self.streams[device] = stream
+
+    @classmethod
+    def for_devices(cls, devices: set[torch.device], count: int, buffer_bytes: int) -> DeviceStaging:
+        pin = any(device.type == "cuda" for device in devices) and torch.cuda.is_available()
+        return cls(devices, StagingPool(count, buffer_bytes, pin))
+
+    @contextmanager
+    def device_work(self) -> Iterator[None]:
+        """Device work queued by this thread inside (temporaries, copies, the requests'
+        gathers and casts) goes to the side streams, in the order it is queued."""
+        with ExitStack() as stack:
+            for stream in self.streams.values():
+                stack.enter_context(torch.cuda.stream(stream))
+            yield
+
+    def read(self, reader: RangeReader, runs: Sequence[tuple[int, Sequence[Target]]]) -> int:
+        """Fill runs whose targets may be DeviceSpans; returns the bytes read."""
+        total = 0
+        buffer: torch.Tensor | None = None
+        host_runs: list[tuple[int, list[memoryview]]] = []
+        pieces: list[_Piece] = []
+        try:
+            for offset, targets in runs:
+                current: list[memoryview] = []
+                host_runs.append((offset, current))
+                for target in targets:
+                    if not isinstance(target, DeviceSpan):
+                        current.append(target)
+                        offset += target.nbytes
+                        continue
+                    done = 0
+                    while done < target.nbytes:
+                        if buffer is None:
+                            buffer, used = self.pool.acquire(), 0
+                            view = memoryview(buffer.numpy())
+                        n = min(target.nbytes - done, self.pool.buffer_bytes - used)
+                        current.append(view[used : used + n])
+                        pieces.append(_Piece(target, done, n, used))
+                        used, done, offset = used + n, done + n, offset + n
+                        if used == self.pool.buffer_bytes:  # full: read it, send it, go on in a new one
+                            total += self._flush(reader, host_runs, buffer, pieces)
+                            buffer, pieces, current = None, [], []
+                            host_runs = [(offset, current)]
+            total += self._flush(reader, host_runs, buffer, pieces)
+            buffer = None
+        finally:
+            if buffer is not None:  # a read failed: nothing was queued from this buffer
+                self.pool.release(buffer)
+        return total
+
+    def _flush(
+        self, reader: RangeReader, host_runs: list[tuple[int, list[memoryview]]], buffer: torch.Tensor | None, pieces: list[_Piece]
+    ) -> int:
+        """Read the runs gathered so far, then queue the copies out of ``buffer``."""
+        total = reader.read_runs([(offset, views) for offset, views in host_runs if views])
+        if buffer is None:
+            return total
+        host = memoryview(buffer.numpy())
+        for piece in pieces:
+            if piece.span.tap is not None:
+                piece.span.tap(host[piece.start : piece.start + piece.nbytes])
+        for dest, start, nbytes in _merged(pieces):
+            dest.copy_(buffer[start : start + nbytes], non_blocking=dest.device.type == "cuda")
+        events = []
+        for stream in self.streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        self.pool.release(buffer, events)
+        return total
+
+    def finish(self) -> None:
+        """Wait until every copy and every device operation of the load has completed."""
+        self.pool.drain()
+        for stream in self.streams.values():
+            stream.synchronize()
+
+
+def _merged(pieces: list[_Piece]) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """(device bytes, buffer start, length) of the copies: pieces adjacent both in the
+    buffer and in device memory (runs of one contiguous destination) become one copy."""
+    if not pieces:
+        return
+    first = pieces[0]
+    dest, start, nbytes = first.span.tensor[first.offset : first.offset + first.nbytes], first.start, first.nbytes
+    for piece in pieces[1:]:
+        part = piece.span.tensor[piece.offset : piece.offset + piece.nbytes]
+        if (
+            piece.start == start + nbytes
+            and part.device == dest.device
+            and part.untyped_storage().data_ptr() == dest.untyped_storage().data_ptr()
+            and part.storage_offset() == dest.storage_offset() + nbytes
+        ):
+            nbytes += piece.nbytes
+            dest = dest.as_strided((nbytes,), (1,), dest.storage_offset())
+            continue
+        yield dest, start, nbytes
+        dest, start, nbytes = part, piece.start, piece.nbytes
+    yield dest, start, nbytes
+
