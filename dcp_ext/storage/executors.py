@@ -11,7 +11,6 @@ go through host staging buffers (``device_staging``) in ``ScatterReads``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,10 +25,6 @@ TASK_BYTES = 32 << 20  # bytes one thread reads before the next task is picked
 SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
 GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
 DEFAULT_BUDGET_BYTES = 256 << 20  # two-stage: bytes of stored data in flight per batch
-
-
-def default_thread_count() -> int:
-    return max(4, min(16, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
+from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
@@ -33,7 +34,6 @@ from dcp_ext.storage.executors import (
     EXECUTORS,
     LoadIdentity,
     ReadSettings,
-    default_thread_count,
 )
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
@@ -117,7 +117,7 @@ class ShardReader(StorageReader):
         self.storage_options = storage_options
         self.megatron = megatron  # options of the Megatron formats (None: their defaults)
         self.location = Location(path, storage_options)
-        self.thread_count = thread_count or default_thread_count()
+        self.thread_count = io_thread_count(thread_count, "ShardReader: ")
         self.verify_checksums = verify_checksums
         self.cache_metadata = cache_metadata
         self.require_commit_marker = require_commit_marker

@@ -20,6 +20,7 @@ from torch.futures import Future
 from dcp_ext.errors import CheckpointError, CheckpointExistsError, InvalidRequestError
 from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.runtime.gc_pause import gc_paused
+from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
@@ -45,10 +46,6 @@ class FilePrefix:
 
     def file_name(self, n: int) -> str:
         return data_file_name(self.rank, self.token, n)
-
-
-def default_thread_count() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -129,7 +126,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         self.clock = PhaseClock(SAVE_PHASES)
         self.written: list[WriteResult] = []  # this rank's results of the running save
         self.location = Location(path, storage_options)
-        self.thread_count = thread_count or default_thread_count()
+        self.thread_count = io_thread_count(thread_count, "ShardWriter: ")
         self.sync_files = sync_files
         self.checksums = checksums
         self.overwrite = overwrite

@@ -1,0 +1,32 @@
+"""How many threads one rank gives to file I/O: one rule for reads and writes.
+
+Two threads per core the rank can count on: an I/O thread spends about half its time
+blocked in the kernel (waiting for the disk or for page-cache copies), so two per core
+keep both the disk queue and the cores busy, and more only add switching. The cores are
+the process's CPU affinity shared among the ranks on its node (``LOCAL_WORLD_SIZE``, set
+by torchrun and most launchers), so eight ranks on a 64-core node do not each start 16.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dcp_ext.errors import InvalidRequestError
+
+MIN_THREADS = 2  # even on one core: a read queued while another is copied
+MAX_THREADS = 16
+
+
+def io_thread_count(requested: int | None = None, owner: str = "") -> int:
+    """``requested`` when given (a positive integer), else the rule above."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise InvalidRequestError(f"{owner}thread_count must be a positive integer, got {requested!r}")
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(MIN_THREADS, min(MAX_THREADS, 2 * max(1, cores // _ranks_on_node())))
+
+
+def _ranks_on_node() -> int:
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
