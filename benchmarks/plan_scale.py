@@ -1,4 +1,4 @@
-"""Save planning and metadata at 64 .. 16,384 ranks, simulated without starting them.
+"""Save and load planning and metadata at 64 .. 16,384 ranks, simulated without starting them.
 
     python benchmarks/plan_scale.py                  # N = 64 512 4096 16384, ~10 min
     python benchmarks/plan_scale.py --ranks 64 512   # quicker
@@ -21,12 +21,21 @@ for ``check_replicas`` and the TP coordinate for ``replica_locality``; replicas 
 table object here (on a real coordinator they arrive as equal copies; the bytes that
 travel are reported as gather bytes). Phases: local (encoding one rank's table), global
 (``plan_globally``: group, concat, sort, validate, replica check, balance, locality,
-assign, metadata), cached (the same save again through the plan cache: key + replica
-check), finish (one rank expanding its assignment), metadata write (``ShardWriter.finish``
-with synthetic write results: .metadata pickle + our index), metadata load (stock
-``FileSystemReader.read_metadata`` = pickle, ``ShardReader.read_metadata`` = index, and
-our restricted unpickler). Stock ``DefaultSavePlanner.create_global_plan`` runs on the same
-plans (as WriteItems) while ranks x items stays under ``--stock-max-items``.
+assign, metadata, then the replica units of each group), cached (a save of the same
+layout: the coordinator's part of the digest exchange, the plan cache lookup and the
+per-class replica check over every rank's hashes), save gather (pickled local plans: the
+first save, every distinct table sent once, and an unchanged layout, digest and class
+hashes only), finish (one rank expanding its assignment), metadata write
+(``ShardWriter.finish`` with synthetic write results: .metadata pickle + our index).
+
+Load side (HSDP only): one rank (rank 1, loading the shards it saved) in a fresh child
+process, so its memory is its own: ``ShardReader.read_metadata`` + the local plan from
+the index's columns (``load_plan.chunk_read_items``), against stock
+``FileSystemReader.read_metadata`` + DCP's ``create_read_items_for_chunk_list``; the
+coordinator's load step for N ranks (N empty ShardLoadPlanner plans unpickled, DCP's and
+the reader's global step, pickled back), against stock's, extrapolated from one rank's
+ReadItem plan pickled and unpickled. Stock ``DefaultSavePlanner.create_global_plan`` runs
+on the same plans (as WriteItems) while ranks x items stays under ``--stock-max-items``.
 
 Writes benchmarks/results/plan_scale.json and plan_scale.png (needs matplotlib:
 ``pip install matplotlib``).
@@ -42,6 +51,7 @@ import math
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -54,17 +64,20 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_ext import ShardReader, ShardWriter
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 from dcp_ext.formats.index import StoredItem
-from dcp_ext.formats.safe_pickle import load_metadata_pickle
-from dcp_ext.planning.global_plan import GlobalPlan, check_replicas, plan_globally
+from dcp_ext.planning.digest_exchange import first_senders
+from dcp_ext.planning.global_plan import GlobalPlan, plan_globally
+from dcp_ext.planning.load_plan import chunk_read_items
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
 from dcp_ext.planning.locality import copy_index
-from dcp_ext.planning.plan_cache import cached_plan, clear_plan_cache, remember_plan
+from dcp_ext.planning.plan_cache import cached_plan, clear_plan_cache, plan_id, plan_key, remember_plan
+from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 from dcp_ext.planning.plan_table import BYTE_IO, PlanTable, items_from_table, make_table, table_from_items
 
 RESULTS = Path(__file__).parent / "results"
@@ -135,6 +148,7 @@ def chunk(shape: tuple[int, ...], layout: str, s: int, t: int, shards: int) -> t
 
 @dataclasses.dataclass
 class Job:
+    layers: int
     ranks: int
     shards: int
     tables: list[PlanTable]  # per rank (replicas share the object)
@@ -146,6 +160,7 @@ class TableMaker:
     """Tables per (shard, tp, has param_groups) coordinate, built once and shared across N."""
 
     def __init__(self, layers: int) -> None:
+        self.layers = layers
         params = model_specs(layers)
         self.entries = []  # (fqn, shape, layout or None for scalars)
         for name, shape, layout in params:
@@ -199,7 +214,7 @@ def make_job(maker: TableMaker, ranks: int, scenario: str) -> Job:
         tables.append(table)
         digests.append(digest.copy())  # every rank sends its own
         tp_ranks.append(t)
-    return Job(ranks, shards, tables, digests, tp_ranks)
+    return Job(maker.layers, ranks, shards, tables, digests, tp_ranks)
 
 
 # -- measuring --------------------------------------------------------------------------
@@ -246,21 +261,72 @@ def local_costs(job: Job, out: dict) -> None:
 
 
 def run_ours(job: Job, out: dict) -> GlobalPlan:
+    """A first save (tables sent, plan made, replica units attached) and a save of the same
+    layout (digests and one hash per replica class sent, plan reused)."""
     clear_plan_cache()
+    key = plan_key([t.digest for t in job.tables], job.tp_ranks)
     with measured(out, "global"):
         result = plan_globally(job.tables, chunk_digests=job.digests, tp_ranks=job.tp_ranks)
     out["global_phases"] = {k: round(v, 4) for k, v in result.seconds.items()}
+    start = time.perf_counter()
+    result = with_units(result, plan_id(key))
+    out["global_phases"]["replica_units"] = round(time.perf_counter() - start, 4)
     out["counts"] = result.counts
-    key = (tuple(t.digest for t in job.tables), tuple(job.tp_ranks))
     remember_plan(key, result)
+    hashes = unchanged_layout_hashes(job, result)
     with measured(out, "cached"):
-        hit = cached_plan((tuple(t.digest for t in job.tables), tuple(job.tp_ranks)))
-        check_replicas(hit.structure, job.digests, None)
+        digests = [t.digest for t in job.tables]
+        first_senders(digests, {})  # the coordinator's part of the digest exchange
+        hit = cached_plan(plan_key(digests, job.tp_ranks))
+        check_units(hit, hashes, None)
+    save_gather(job, result, hashes, out)
     items = items_from_table(job.tables[1])
     start = time.perf_counter()
     assigned_items(items, result.assignments[1])
     out["finish_plan_seconds_per_rank"] = round(time.perf_counter() - start, 4)
     return result
+
+
+def unchanged_layout_hashes(job: Job, result: GlobalPlan) -> list[np.ndarray]:
+    """Each rank's replica-class hashes for the cached plan (computed once per distinct
+    table: replicas here share one digest array)."""
+    by_table: dict[int, np.ndarray] = {}
+    out = []
+    for rank, (table, digests) in enumerate(zip(job.tables, job.digests)):
+        key = id(table)
+        if key not in by_table:
+            by_table[key] = unit_hashes(digests, result.assignments[rank].units)
+        out.append(by_table[key])
+    return out
+
+
+def save_gather(job: Job, result: GlobalPlan, hashes: list[np.ndarray], out: dict) -> None:
+    """Bytes gathered by the coordinator per save: the first (every distinct table once, as
+    the digest exchange asks) and one of an unchanged layout (digests and class hashes)."""
+    sample = sorted({0, 1, job.ranks // 2, job.ranks - 1})
+    unchanged = []
+    for rank in sample:
+        plan = ShardLocalPlan(items=[], table=None, table_digest=job.tables[rank].digest, unit_hashes=hashes[rank], tp_rank=job.tp_ranks[rank])
+        unchanged.append(len(pickle.dumps(plan)))
+    sizes: dict[int, int] = {}
+    first_total = 0
+    for rank, table in enumerate(job.tables):
+        if id(table) not in sizes:
+            full = ShardLocalPlan(items=[], table=table, table_digest=table.digest, chunk_digests=job.digests[rank], tp_rank=job.tp_ranks[rank])
+            sizes[id(table)] = len(pickle.dumps(full))
+            first_total += sizes[id(table)]
+        else:  # a replica of a table another rank sends: digest and chunk digests only
+            first_total += len(pickle.dumps(ShardLocalPlan(items=[], table=None, table_digest=table.digest, chunk_digests=job.digests[rank], tp_rank=job.tp_ranks[rank])))
+    exchange = len(pickle.dumps(bytes(26)))  # the all-gathered record per rank
+    out["save_gather"] = {
+        "unchanged_bytes_per_rank_max": max(unchanged),
+        "unchanged_bytes_total": int(np.mean(unchanged) * job.ranks),
+        "exchange_record_bytes": exchange,
+        "exchange_broadcast_bytes": len(pickle.dumps((bytes(16), np.packbits(np.ones(job.ranks, bool)).tobytes()))),
+        "first_save_bytes_total": first_total,
+        "before_bytes_total": sum(sizes[id(t)] for t in job.tables),  # every rank sending its table (before the exchange)
+        "replica_units_per_rank_max": max(len(h) for h in hashes),
+    }
 
 
 def run_stock(job: Job, out: dict, max_items: int) -> None:
@@ -300,7 +366,7 @@ def write_results(job: Job, result: GlobalPlan) -> list[list[WriteResult]]:
     return results
 
 
-def metadata_round_trip(job: Job, result: GlobalPlan, out: dict, scratch: Path) -> None:
+def metadata_round_trip(job: Job, result: GlobalPlan, out: dict, scratch: Path, stock_load: bool) -> None:
     path = scratch / f"ckpt_{job.ranks}"
     results = write_results(job, result)
     writer = ShardWriter(str(path), sync_files=False)
@@ -311,13 +377,90 @@ def metadata_round_trip(job: Job, result: GlobalPlan, out: dict, scratch: Path) 
     del results
     out["metadata_pickle_bytes"] = (path / ".metadata").stat().st_size
     out["index_bytes"] = (path / ".dcp_ext_index.parquet").stat().st_size
-    with measured(out, "load_stock_pickle"):
-        FileSystemReader(str(path)).read_metadata()
     with measured(out, "load_our_index"):
         ShardReader(str(path), cache_metadata=False).read_metadata()
-    with measured(out, "load_safe_unpickle"):
-        load_metadata_pickle((path / ".metadata").read_bytes(), str(path / ".metadata"))
+    out["load_rank"] = probe(path, job, "ours")
+    if stock_load:
+        out["load_rank_stock"] = probe(path, job, "stock")
+    coordinator_load(job, out)
     shutil.rmtree(path)
+
+
+# -- load side --------------------------------------------------------------------------
+
+
+PROBE_RANK = 1
+
+
+def probe(path: Path, job: Job, kind: str) -> dict:
+    """One rank's load planning in a fresh process (so its memory is its own): metadata
+    read + local plan for the shards rank PROBE_RANK holds, ours or stock."""
+    command = [sys.executable, __file__, "--probe", kind, "--probe-path", str(path), "--probe-shards", str(job.shards), "--layers", str(job.layers)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rank_chunks(table: PlanTable) -> dict[str, ChunkStorageMetadata]:
+    """The local chunk of every tensor key a rank holds (from its save table: it loads what it saved)."""
+    out = {}
+    for fqn_id, kind, ndim, off, size in zip(table.fqn_id.tolist(), table.kind.tolist(), table.ndim.tolist(), table.offsets.tolist(), table.sizes.tolist()):
+        if kind != BYTE_IO:
+            out[table.fqns[fqn_id]] = ChunkStorageMetadata(torch.Size(off[:ndim]), torch.Size(size[:ndim]))
+    return out
+
+
+def run_probe(kind: str, path: str, shards: int, layers: int) -> None:
+    maker = TableMaker(layers)
+    s, t = (PROBE_RANK // TP) % shards, PROBE_RANK % TP
+    chunks = rank_chunks(maker.table(s, t, shards, False)[0])
+    out: dict = {}
+    with measured(out, "metadata_and_plan"):
+        start = time.perf_counter()
+        if kind == "ours":
+            metadata = ShardReader(path, cache_metadata=False).read_metadata()
+            out["metadata_seconds"] = round(time.perf_counter() - start, 4)
+            keys = metadata.state_dict_metadata
+            items = [item for fqn, chunk in chunks.items() if keys.facts(fqn) is not None for item in chunk_read_items(keys, fqn, [chunk])]
+        else:
+            metadata = FileSystemReader(path).read_metadata()
+            out["metadata_seconds"] = round(time.perf_counter() - start, 4)
+            state = metadata.state_dict_metadata
+            items = [item for fqn, chunk in chunks.items() for item in create_read_items_for_chunk_list(fqn, state[fqn], [chunk])]
+    out["plan_seconds"] = round(out["metadata_and_plan"]["seconds"] - out["metadata_seconds"], 4)
+    out["read_items"] = len(items)
+    out["local_plan_bytes"] = len(pickle.dumps(LoadPlan(items)))
+    print(json.dumps(out))
+
+
+def coordinator_load(job: Job, out: dict) -> None:
+    """DCP's load plan round trip through the coordinator at N ranks: ShardLoadPlanner's
+    empty plans unpickled (gather), DCP's global load step and the reader's, pickled back
+    (scatter). Stock: one rank's plan of ReadItems, its pickle round trip timed on a few
+    copies and scaled to N (16 GB of messages at 16,384 ranks is not run)."""
+    message = pickle.dumps(LoadPlan([]))
+    planner, reader = ShardLoadPlanner(), ShardReader("unused")
+    with measured(out, "load_coordinator"):
+        plans = [pickle.loads(message) for _ in range(job.ranks)]
+        plans = reader.prepare_global_plan(planner.create_global_plan(plans))
+        back = [pickle.dumps(plan) for plan in plans]
+    stock_items = out["load_rank"]["local_plan_bytes"]
+    out["load_gather_bytes_per_rank"] = len(message)
+    out["load_scatter_bytes_per_rank"] = max(len(b) for b in back)
+    out["stock_load_gather_bytes_per_rank"] = stock_items
+    stock_plan = pickle.dumps(stock_rank_plan(job))
+    start = time.perf_counter()
+    for _ in range(4):
+        pickle.dumps(pickle.loads(stock_plan))
+    out["stock_load_coordinator_seconds_extrapolated"] = round((time.perf_counter() - start) / 4 * job.ranks, 2)
+
+
+def stock_rank_plan(job: Job) -> LoadPlan:
+    """The ReadItems DCP's default planner makes for rank PROBE_RANK (no resharding: one per chunk)."""
+    items = items_from_table(job.tables[PROBE_RANK])
+    return LoadPlan([
+        ReadItem(LoadItemType.TENSOR, item.index, torch.Size([0] * len(item.index.offset)), item.index, torch.Size([0] * len(item.index.offset)), item.tensor_data.chunk.sizes)
+        for item in items if item.tensor_data is not None
+    ])
 
 
 # -- report -----------------------------------------------------------------------------
@@ -341,7 +484,7 @@ def print_table(rows: list[dict]) -> None:
             f"{r['counts']['unique_chunks']:>9,} {r['global']['seconds']:>9.2f} {r['cached']['seconds']:>9.3f} {stock_s:>9} "
             f"{r['global']['peak_rss_mb']:>8.0f} "
             + (
-                f"{meta / 2**20:>12.1f} {r['index_bytes'] / 2**20:>9.1f} {r['load_stock_pickle']['seconds']:>13.2f} {r['load_our_index']['seconds']:>12.2f}"
+                f"{meta / 2**20:>12.1f} {r['index_bytes'] / 2**20:>9.1f} {r.get('load_rank_stock', {}).get('metadata_seconds', float('nan')):>13.2f} {r['load_our_index']['seconds']:>12.2f}"
                 if meta
                 else f"{'-':>12} {'-':>9} {'-':>13} {'-':>12}"
             )
@@ -357,7 +500,7 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, load_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for scenario, marker in (("hsdp", "o"), ("fsdp", "s")):
         mine = [r for r in rows if r["scenario"] == scenario]
         if not mine:
@@ -368,12 +511,26 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.loglog([r["ranks"] for r in stock], [r["stock"]["seconds"] for r in stock], marker=marker, linestyle="--", label=f"stock DefaultSavePlanner ({scenario})")
     hsdp = [r for r in rows if r["scenario"] == "hsdp"]
     if hsdp:
-        ax.loglog([r["ranks"] for r in hsdp], [r["cached"]["seconds"] for r in hsdp], marker="^", label="dcp_ext cached plan (hsdp)")
+        ax.loglog([r["ranks"] for r in hsdp], [r["cached"]["seconds"] for r in hsdp], marker="^", label="dcp_ext unchanged layout (hsdp)")
     ax.axhline(10, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("ranks")
     ax.set_ylabel("coordinator seconds")
-    ax.set_title("Global save planning, ~4,100 items per rank")
+    ax.set_title("Save planning, ~4,100 items per rank")
     ax.legend(fontsize=8)
+    loads = [r for r in hsdp if "load_rank" in r]
+    if loads:
+        n = [r["ranks"] for r in loads]
+        load_ax.loglog(n, [r["load_rank"]["metadata_and_plan"]["seconds"] for r in loads], marker="o", label="dcp_ext per rank: metadata + local plan")
+        stock = [r for r in loads if "load_rank_stock" in r]
+        if stock:
+            load_ax.loglog([r["ranks"] for r in stock], [r["load_rank_stock"]["metadata_and_plan"]["seconds"] for r in stock], marker="o", linestyle="--", label="stock per rank: .metadata + DCP local plan")
+        load_ax.loglog(n, [max(r["load_coordinator"]["seconds"], 1e-4) for r in loads], marker="^", label="dcp_ext coordinator load step")
+        load_ax.loglog(n, [r["stock_load_coordinator_seconds_extrapolated"] for r in loads], marker="^", linestyle="--", label="stock coordinator load step (extrapolated)")
+        load_ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        load_ax.set_xlabel("ranks")
+        load_ax.set_ylabel("seconds")
+        load_ax.set_title("Load planning (HSDP layout)")
+        load_ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
@@ -386,8 +543,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--stock-max-items", type=int, default=2_500_000)
     parser.add_argument("--metadata-max-ranks", type=int, default=16384, help="skip the metadata write/load above this")
+    parser.add_argument("--stock-load-max-ranks", type=int, default=16384, help="skip the stock per-rank load probe above this")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_scale.json")
+    parser.add_argument("--probe", choices=("ours", "stock"), help=argparse.SUPPRESS)  # one rank's load, in a child process
+    parser.add_argument("--probe-path", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-shards", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        run_probe(args.probe, args.probe_path, args.probe_shards, args.layers)
+        return
     maker = TableMaker(args.layers)
     rows: list[dict] = []
     scratch = Path(tempfile.mkdtemp(prefix="plan_scale_", dir=os.environ.get("PLAN_SCALE_DIR")))
@@ -400,7 +564,7 @@ def main() -> None:
                 run_stock(job, out, args.stock_max_items)
                 result = run_ours(job, out)
                 if scenario == "hsdp" and ranks <= args.metadata_max_ranks:
-                    metadata_round_trip(job, result, out, scratch)
+                    metadata_round_trip(job, result, out, scratch, stock_load=ranks <= args.stock_load_max_ranks)
                 rows.append(out)
                 print(json.dumps(out), flush=True)
                 del job, result

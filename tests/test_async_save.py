@@ -1,4 +1,5 @@
-"""dcp.async_save through ShardWriter/ShardSavePlanner.
+"""Async saves through ShardWriter/ShardSavePlanner (``writer.async_save``, which calls
+``dcp.async_save`` with the writer as its stager and keeps the future DCP returns).
 
 * the values saved are the ones staged when ``async_save`` returned: the
   source tensors (and a nested list object) are overwritten right after it
@@ -15,10 +16,16 @@
   - overlapping saves: a save started while the previous one still writes
     waits for it, and both checkpoints hold exactly their own values; so
     does a plain ``dcp.save`` through the writer after an ``async_save``;
+  - a training loop that never waits on its futures: every step's
+    checkpoint holds that step's values, through one set of buffers;
   - a background failure (a planner raising mid-write; ``overwrite=False``
     refusing) is raised at ``.result()`` and again, as CheckpointError, at
     the next save through the writer; the previous checkpoint still loads
-    bit-exact and the next good save cleans up the failed save's files.
+    bit-exact and the next good save cleans up the failed save's files;
+* DCP's deprecated ``synchronize_staging`` hook is never called;
+* ``dcp.async_save(storage_writer=writer)`` called directly is refused while
+  ``reuse_staging=True`` (the writer would not know when its copy is free) and
+  stages into new memory with ``reuse_staging=False``.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext import CheckpointError, InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.data_files import is_data_file
 from mp import assert_state_dict_equal, garbage_like, run_job
 
@@ -113,13 +120,14 @@ def _start(
     executor: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
 ) -> Future:
     """Start an async save through ``writer``; staging is complete when this returns."""
-    fut = dcp.async_save(
-        sd,
-        storage_writer=writer,
-        checkpoint_id=checkpoint_id,
-        planner=planner or ShardSavePlanner(),
-        async_checkpointer_type=executor,
-    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*synchronize_staging.*")  # the deprecated hook
+        fut = writer.async_save(
+            sd,
+            checkpoint_id=checkpoint_id,
+            planner=planner or ShardSavePlanner(),
+            async_checkpointer_type=executor,
+        )
     assert isinstance(fut, Future), type(fut)  # ShardWriter stages synchronously: a plain future
     return fut
 
@@ -299,6 +307,33 @@ def overlap_job(rank: int, world: int, base: str, executor: AsyncCheckpointerTyp
         _load(os.path.join(base, name), mesh, n, f"{where} {name} of overlapping saves", builder=big_state)
 
 
+def training_loop_job(rank: int, world: int, base: str, executor: AsyncCheckpointerType) -> None:
+    """Five steps, each saving without waiting for the previous save (the writer waits before it
+    stages into the same buffers) and changing the tensors right after: no stale values."""
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"{executor.value} rank {rank}"
+    writer = ShardWriter(os.path.join(base, "default"))
+    sd, _ = big_state(mesh, 1, destination=False)
+    futures, ptrs = [], []
+    for step in range(1, 6):
+        _refill(sd, mesh, step)  # the step's update, in place
+        fut = _start(sd, writer, checkpoint_id=os.path.join(base, f"step{step}"), planner=SlowPlanner(delay=0.3),
+                     executor=executor)
+        assert all(f.done() for f in futures), where  # the previous save finished before this one staged
+        _clobber(sd)  # training goes on while the save writes
+        futures.append(fut)
+        ptrs.append(writer.staging.data_ptrs())
+    for fut in futures:
+        fut.result(timeout=60)
+    # (process: torch moves the buffers into shared memory while it sends save 1, so from save 2 on)
+    assert writer.staging.allocations == 1 and all(p == ptrs[1] for p in ptrs[1:]), (where, ptrs)
+    writer.close()
+    assert writer.staging.nbytes == 0, where
+    dist.barrier()
+    for step in range(1, 6):
+        _load(os.path.join(base, f"step{step}"), mesh, step, f"{where} step {step}", builder=big_state)
+
+
 def _raises_previous_failure(sd: dict, writer: ShardWriter, path: str, executor: AsyncCheckpointerType, cause: str):
     """The next save through ``writer`` raises the earlier background failure, naming ``path``."""
     with pytest.raises(CheckpointError, match="failed in the background") as info:
@@ -371,7 +406,9 @@ def test_sharded_tensor_staging_is_reused(tmp_path):
 
 
 @pytest.mark.parametrize("executor", EXECUTORS, ids=lambda e: e.value)
-@pytest.mark.parametrize("job", [reuse_job, overlap_job, failure_job], ids=["reuse", "overlap", "failure"])
+@pytest.mark.parametrize(
+    "job", [reuse_job, overlap_job, training_loop_job, failure_job], ids=["reuse", "overlap", "training-loop", "failure"]
+)
 def test_async_save_through_one_writer(tmp_path, job, executor):
     run_job(job, 2, str(tmp_path), executor)
 
@@ -413,33 +450,43 @@ def test_explicit_stager_saves_one_at_a_time(tmp_path, world, async_staging):
 
 def test_writer_is_its_own_stager_and_pickles_without_buffers(tmp_path):
     writer = ShardWriter(tmp_path)
-    assert isinstance(writer, AsyncStager)
-    writer.stage(sample_state(1))
+    assert isinstance(writer, AsyncStager) and not writer.should_synchronize_after_execute
+    _start(sample_state(1), writer).result(timeout=60)
     copy = pickle.loads(pickle.dumps(writer))  # what the process executor sends
     assert writer.staging.nbytes > 0 and copy.staging.nbytes == 0 and copy.staging.reuse
     assert copy.location.url == writer.location.url
     assert not pickle.loads(pickle.dumps(ShardWriter(tmp_path, reuse_staging=False))).staging.reuse
 
 
-def test_stage_outside_async_save_does_not_reuse_busy_buffers(tmp_path):
-    """Without DCP's future the writer cannot know when a staged copy is free."""
-    writer = ShardWriter(tmp_path)
-    first = writer.stage(sample_state(1))
-    with pytest.warns(RuntimeWarning, match="previous staged copy may still be in use"):
-        second = writer.stage(sample_state(2))
-    assert writer.staging.allocations == 2
-    assert first["w"].data_ptr() != second["w"].data_ptr()
-    assert_state_equal(first, sample_state(1))
+def test_direct_dcp_async_save_is_refused_with_reuse_staging_true(tmp_path):
+    """dcp.async_save keeps its future from the writer, which then cannot know when a reused
+    copy is free: reuse_staging=True refuses it before anything is staged or written."""
+    writer = ShardWriter(tmp_path, reuse_staging=True)
+    with pytest.raises(InvalidRequestError, match=r"reuse_staging=True.*writer\.async_save"):
+        dcp.async_save(sample_state(1), storage_writer=writer, planner=ShardSavePlanner())
+    with pytest.raises(InvalidRequestError, match="reuse_staging=True"):
+        writer.stage(sample_state(1))
+    assert writer.staging.allocations == 0 and os.listdir(tmp_path) == []
+    with pytest.raises(InvalidRequestError, match="reuse_staging must be None, True or False, got 1"):
+        ShardWriter(tmp_path, reuse_staging=1)
 
 
-def test_reuse_staging_false_holds_no_memory(tmp_path):
-    writer = ShardWriter(tmp_path, reuse_staging=False)
+@pytest.mark.parametrize(
+    "reuse_staging, start",
+    [(False, "writer.async_save"), (False, "dcp.async_save"), (None, "dcp.async_save")],
+    ids=["off-writer", "off-direct", "default-direct"],
+)
+def test_saves_the_writer_cannot_track_keep_no_memory(tmp_path, reuse_staging, start):
+    """Each save is staged into new memory the writer does not hold; values are the staged ones."""
+    writer = ShardWriter(tmp_path, reuse_staging=reuse_staging)
     for seed in (1, 2):
         state = sample_state(seed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)
+        if start == "writer.async_save":
             fut = _start(state, writer)
-        state["w"].zero_()
+        else:
+            fut = dcp.async_save(state, storage_writer=writer, planner=ShardSavePlanner())
+            assert isinstance(fut, Future), type(fut)
+        state["w"].copy_(torch.full_like(state["w"], float("nan")))
         fut.result(timeout=60)
         assert_state_equal(load(sample_state(seed), tmp_path)[0], sample_state(seed))
     assert writer.staging.allocations == 2 and writer.staging.nbytes == 0

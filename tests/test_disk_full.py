@@ -129,8 +129,8 @@ def test_async_save_that_runs_out_of_space(small_disk):
     path = os.path.join(small_disk, "ckpt")
     old = state(1, OLD)
     writer = ShardWriter(path)
-    dcp.async_save(old, storage_writer=writer, planner=ShardSavePlanner()).result(timeout=60)
-    fut = dcp.async_save(state(2, BIG), storage_writer=writer, planner=ShardSavePlanner())
+    writer.async_save(old, planner=ShardSavePlanner()).result(timeout=60)
+    fut = writer.async_save(state(2, BIG), planner=ShardSavePlanner())
     with pytest.raises(CheckpointException) as info:
         fut.result(timeout=60)
     assert_disk_full(rank_error(info.value), path)
@@ -139,8 +139,8 @@ def test_async_save_that_runs_out_of_space(small_disk):
     assert_only_committed(path)
     smaller = state(3, SMALL)
     with pytest.raises(CheckpointError, match="failed in the background"):  # reported once more
-        dcp.async_save(smaller, storage_writer=writer, planner=ShardSavePlanner())
-    dcp.async_save(smaller, storage_writer=writer, planner=ShardSavePlanner()).result(timeout=60)
+        writer.async_save(smaller, planner=ShardSavePlanner())
+    writer.async_save(smaller, planner=ShardSavePlanner()).result(timeout=60)
     assert_state_equal(load(smaller, path)[0], smaller)
     assert_only_committed(path)
 

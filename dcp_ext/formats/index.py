@@ -142,7 +142,7 @@ def encode_index(
     schema = _SCHEMA.with_metadata({_META_KEY: json.dumps(header).encode()})
     table = pa.Table.from_arrays(rows.arrays(), schema=schema)
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="zstd", row_group_size=max(table.num_rows, 1))  # one group: no concat on read
     return sink.getvalue()
 
 
@@ -268,7 +268,8 @@ def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
             table = table.append_column("copy", pa.array([False] * table.num_rows))
         if "transforms" not in table.column_names:  # written before compressed records existed
             table = table.append_column("transforms", pa.nulls(table.num_rows, _SCHEMA.field("transforms").type))
-        columns = _Columns.read(table.select(_SCHEMA.names).cast(_SCHEMA))
+        table = table.select(_SCHEMA.names)
+        columns = _Columns.read(table if table.schema.equals(_SCHEMA) else table.cast(_SCHEMA))
         return _build(header, _Keys.read(header, source), columns, source)
     except CheckpointError:
         raise
@@ -345,7 +346,7 @@ class _Columns:
 
     @classmethod
     def read(cls, table: pa.Table) -> _Columns:
-        col = {name: table.column(name).combine_chunks() for name in _SCHEMA.names}
+        col = {name: _one_array(table.column(name)) for name in _SCHEMA.names}
         off, size = col["offsets"], col["sizes"]
         off_ends, size_ends = _numpy(off.offsets), _numpy(size.offsets)
         return cls(
@@ -373,6 +374,11 @@ class _Columns:
                 "box values": off.values.null_count + size.values.null_count,
             },
         )
+
+
+def _one_array(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array, copied only when it spans several row groups (older indexes)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def _numpy(array: pa.Array) -> np.ndarray:
@@ -410,14 +416,24 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
     if np.any(key < 0):
         fqn = cols.fqn_names[cols.fqn[np.argmax(key < 0)]]
         raise CorruptCheckpointError(f"{source}: index row for {fqn!r} has no tensor or bytes entry")
-    names = [keys.names[k] for k in key.tolist()]
+    names = _RowNames(keys.names, key)
     tensor = keys.is_tensor[key]
     _check_locations(names, cols, source)
     off_rows, size_rows = _check_boxes(names, key, tensor, keys, cols, source)
     return _objects(header, keys, cols, key, tensor, off_rows, size_rows, source)
 
 
-def _check_locations(names: list[str], cols: _Columns, source: str) -> None:
+class _RowNames:
+    """Each row's key name, looked up when an error or a check names a row (not 1 M strings up front)."""
+
+    def __init__(self, names: list[str], key: np.ndarray) -> None:
+        self._names, self._key = names, key
+
+    def __getitem__(self, row: int) -> str:
+        return self._names[int(self._key[row])]
+
+
+def _check_locations(names: _RowNames, cols: _Columns, source: str) -> None:
 
     codes, first_rows = np.unique(cols.file, return_index=True)
     for code, row in zip(codes.tolist(), first_rows.tolist()):
@@ -432,7 +448,7 @@ def _check_locations(names: list[str], cols: _Columns, source: str) -> None:
 
 
 def _check_boxes(
-    names: list[str], key: np.ndarray, tensor: np.ndarray, keys: _Keys, cols: _Columns, source: str
+    names: _RowNames, key: np.ndarray, tensor: np.ndarray, keys: _Keys, cols: _Columns, source: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Check every tensor row's chunk against its key's shape and its record's length;
     return the rows' (offsets, sizes) element positions grouped for object building."""
@@ -488,37 +504,29 @@ def _objects(
     header: dict[str, Any], keys: _Keys, cols: _Columns, key: np.ndarray, tensor: np.ndarray,
     off: np.ndarray, size: np.ndarray, source: str,
 ) -> IndexedCheckpoint:
-    """DCP objects for validated columns, built in bulk (most of the load's time). Only the
-    chunk metadata DCP's load planner walks is built per row; stored items are looked up
-    from the columns when asked for (``IndexedItems``)."""
+    """DCP objects for validated columns. Nothing is built per row here: a key's chunk
+    metadata is built the first time the key is asked for (``IndexedKeys``), a stored item
+    the first time its row is (``IndexedItems``, ``IndexedCopies``), so a rank pays for the
+    keys it loads, not for every chunk of the job."""
     _check_unique(keys, key, tensor, off, cols, source)
     elems = np.where(tensor, keys.ndim[key], 0)
     starts = np.cumsum(elems) - elems  # each tensor row's first value in off/size
-    with gc_paused():
-        order, bounds = _by_key(key, np.flatnonzero(~cols.copy), len(keys.names))
-        in_order: list[torch.Size | None] = []
-        for k, _, _, (offsets, sizes) in _key_boxes(keys, order, bounds, (off, size), starts):
-            in_order.extend(offsets)
-            if keys.is_tensor[k]:
-                keys.state[keys.names[k]].chunks = list(map(ChunkStorageMetadata, offsets, sizes))
-        items = IndexedItems(keys.names, bounds.tolist(), order, in_order, cols)
-        copies: dict[MetadataIndex, list[StoredItem]] = {}
-        copy_order, copy_bounds = _by_key(key, np.flatnonzero(cols.copy), len(keys.names))
-        for k, lo, hi, (offsets,) in _key_boxes(keys, copy_order, copy_bounds, (off,), starts):
-            for row, offset in zip(copy_order[lo:hi].tolist(), offsets):
-                copies.setdefault(_metadata_index(keys.names[k], offset), []).append(items.row_item(row))
-    missing = [fqn for fqn, md in keys.state.items() if isinstance(md, BytesStorageMetadata) and MetadataIndex(fqn) not in items]
-    if missing:
-        raise CorruptCheckpointError(f"{source}: bytes item {missing[0]!r} has no stored location")
-    orphans = [index.fqn for index in copies if index not in items]
-    if orphans:
-        raise CorruptCheckpointError(f"{source}: replica copies of {orphans[:3]} have no canonical chunk")
+    canonical = _KeyRows(keys, key, np.flatnonzero(~cols.copy), off, size, starts)
+    copied = _KeyRows(keys, key, np.flatnonzero(cols.copy), off, size, starts)
+    made: dict[int, StoredItem] = {}
+    items = IndexedItems(canonical, cols, made)
+    copies = IndexedCopies(copied, cols, made)
+    held = np.diff(canonical.bounds) > 0
+    missing = np.flatnonzero(~keys.is_tensor & ~held)
+    if len(missing):
+        raise CorruptCheckpointError(f"{source}: bytes item {keys.names[missing[0]]!r} has no stored location")
+    _check_copies(keys, key, off, starts, cols, source)
     planner_data = header["planner_data"]
     meta = header["storage_meta"]
     metadata = None
     if planner_data is not None:
         metadata = Metadata(
-            state_dict_metadata=keys.state,
+            state_dict_metadata=IndexedKeys(keys, canonical),  # type: ignore[arg-type]
             planner_data={k: tuple(v) for k, v in planner_data.items()},
             storage_data=StorageDataView(items),
             storage_meta=None if meta is None else StorageMeta(meta["checkpoint_id"], meta["save_id"], None, list(meta["modules"])),
@@ -527,38 +535,170 @@ def _objects(
     return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]), copies)
 
 
+def _box_columns(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray) -> Iterator[np.ndarray]:
+    """Per row: the key, then each offset dim padded with -1 (bytes rows: -1s), one column
+    at a time (a matrix of every row would cost ~50 MB at a million chunks)."""
+    yield key
+    ndim = np.where(tensor, keys.ndim[key], 0)
+    starts = np.cumsum(ndim) - ndim
+    for d in range(int(keys.ndim.max(initial=0))):
+        has = ndim > d
+        column = np.full(len(key), -1, np.int64)
+        column[has] = off[starts[has] + d]
+        yield column
+
+
+def _box_matrix(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray) -> np.ndarray:
+    return np.column_stack(list(_box_columns(keys, key, tensor, off)))
+
+
+def _check_copies(keys: _Keys, key: np.ndarray, off: np.ndarray, starts: np.ndarray, cols: _Columns, source: str) -> None:
+    """Every TP-replica copy row copies a canonical chunk (same key and offsets), compared
+    through a 64-bit hash of each row's key and offsets (a sort of 1 M hashes, not of rows)."""
+    if not cols.copy.any():
+        return
+    code = np.zeros(len(key), np.uint64)
+    for column in _box_columns(keys, key, keys.is_tensor[key], off):
+        code = (code ^ column.astype(np.uint64)) * np.uint64(0x100000001B3) + np.uint64(0x9E3779B97F4A7C15)
+    canonical, copied = np.sort(code[~cols.copy]), code[cols.copy]
+    at = np.minimum(np.searchsorted(canonical, copied), max(len(canonical) - 1, 0))
+    found = canonical[at] == copied if len(canonical) else np.zeros(len(copied), bool)
+    orphan = np.flatnonzero(cols.copy)[~found]
+    if len(orphan):
+        fqns = sorted({keys.names[k] for k in key[orphan].tolist()})
+        raise CorruptCheckpointError(f"{source}: replica copies of {fqns[:3]} have no canonical chunk")
+
+
 def _check_unique(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, cols: _Columns, source: str) -> None:
-    """No two canonical rows may claim the same key and chunk offsets."""
-    width = int(keys.ndim.max(initial=0))
-    boxes = np.full((len(key), width), -1, np.int64)
-    rows = np.flatnonzero(tensor)
-    elems = keys.ndim[key[rows]]
-    boxes[np.repeat(rows, elems), ragged_within(elems)] = off
+    """No two canonical rows may claim the same key and chunk offsets. Our writer stores
+    each key's chunks in offset order: rows that strictly increase need no sort."""
     canonical = np.flatnonzero(~cols.copy)
-    table = np.column_stack([key[canonical], boxes[canonical]])
+    undecided = np.ones(max(len(canonical) - 1, 0), bool)
+    descending = np.zeros_like(undecided)
+    for column in _box_columns(keys, key[canonical], tensor[canonical], _canonical_values(keys, key, tensor, off, cols)):
+        step = column[1:] - column[:-1]
+        descending |= undecided & (step < 0)
+        undecided &= step == 0
+    if not undecided.any() and not descending.any():
+        return
+    table = _box_matrix(keys, key[canonical], tensor[canonical], _canonical_values(keys, key, tensor, off, cols))
     order = np.lexsort(table.T[::-1])
     same = np.all(table[order[1:]] == table[order[:-1]], axis=1)
     if np.any(same):
         row = int(canonical[order[int(np.argmax(same))]])
         fqn = keys.names[key[row]]
-        where = f" at offset {boxes[row, : keys.ndim[key[row]]].tolist()}" if tensor[row] else ""
+        where = f" at offset {table[order[int(np.argmax(same))], 1 : 1 + keys.ndim[key[row]]].tolist()}" if tensor[row] else ""
         raise CorruptCheckpointError(f"{source}: key {fqn!r} has two index rows{where}")
+
+
+def _canonical_values(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, cols: _Columns) -> np.ndarray:
+    """``off`` (tensor rows' offsets back to back) restricted to the canonical rows."""
+    if not cols.copy.any():
+        return off
+    elems = np.where(tensor, keys.ndim[key], 0)
+    return off[np.repeat(~cols.copy, elems)]
+
+
+class _KeyRows:
+    """Rows of the index (canonical, or TP-replica copies) grouped by key, with each key's
+    chunk boxes as numpy matrices on demand: the per-key view every lazy mapping reads."""
+
+    def __init__(self, keys: _Keys, key: np.ndarray, rows: np.ndarray, off: np.ndarray, size: np.ndarray, starts: np.ndarray) -> None:
+        self.keys = keys
+        self.order, bounds = _by_key(key, rows, len(keys.names))
+        self.bounds = bounds
+        self._off, self._size, self._starts = off, size, starts
+
+    def rows(self, k: int) -> np.ndarray:
+        return self.order[self.bounds[k] : self.bounds[k + 1]]
+
+    def boxes(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, sizes) of key ``k``'s rows, (rows, ndim) int64 each."""
+        at = self._starts[self.rows(k)][:, None] + np.arange(int(self.keys.ndim[k]))
+        return self._off[at], self._size[at]
+
+    def chunk(self, k: int, row: int) -> ChunkStorageMetadata:
+        """Row ``row`` (of tensor key ``k``) as DCP's chunk object."""
+        start, ndim = int(self._starts[row]), int(self.keys.ndim[k])
+        return ChunkStorageMetadata(
+            torch.Size(self._off[start : start + ndim].tolist()), torch.Size(self._size[start : start + ndim].tolist())
+        )
+
+    def find(self, k: int, offset: Any) -> np.ndarray:
+        """Rows of key ``k`` whose chunk starts at ``offset`` (None: a bytes key's row)."""
+        rows = self.rows(k)
+        if not self.keys.is_tensor[k]:
+            return rows if offset is None else rows[:0]
+        if offset is None or len(offset) != self.keys.ndim[k]:
+            return rows[:0]
+        off, _ = self.boxes(k)
+        return rows[np.all(off == np.asarray(offset, np.int64), axis=1)]
+
+
+class IndexedKeys(Mapping[str, Any]):
+    """``Metadata.state_dict_metadata`` of an index load: {fqn: TensorStorageMetadata or
+    BytesStorageMetadata}, a key's ``ChunkStorageMetadata`` list built the first time the
+    key is asked for. ``facts``/``boxes``/``chunk`` answer from the columns without building
+    the list (``ShardLoadPlanner`` plans from them). Pickles as the plain dict."""
+
+    def __init__(self, keys: _Keys, rows: _KeyRows) -> None:
+        self._keys = keys
+        self._rows = rows
+        self._key_of = {name: k for k, name in enumerate(keys.names)}
+        self._built = np.zeros(len(keys.names), bool)
+
+    def __getitem__(self, fqn: str) -> Any:
+        k = self._key_of[fqn]
+        md = self._keys.state[fqn]
+        if self._keys.is_tensor[k] and not self._built[k]:
+            with gc_paused():
+                off, size = self._rows.boxes(k)
+                md.chunks = list(map(ChunkStorageMetadata, torch_sizes(off), torch_sizes(size)))
+            self._built[k] = True  # a racing thread builds the same list
+        return md
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys.names)
+
+    def __len__(self) -> int:
+        return len(self._keys.names)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._key_of
+
+    def facts(self, fqn: str) -> tuple[TensorProperties, torch.Size] | None:
+        """(properties, global size) of a tensor key, None for a bytes key; KeyError if absent."""
+        md = self._keys.state[fqn]
+        return (md.properties, md.size) if isinstance(md, TensorStorageMetadata) else None
+
+    def boxes(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, sizes) of a tensor key's chunks in metadata order, (chunks, ndim) each."""
+        return self._rows.boxes(self._key_of[fqn])
+
+    def chunk(self, fqn: str, offset: Any) -> ChunkStorageMetadata | None:
+        """The chunk of tensor key ``fqn`` starting at ``offset``, if there is one."""
+        k = self._key_of.get(fqn)
+        if k is None or not self._keys.is_tensor[k]:
+            return None
+        rows = self._rows.find(k, offset)
+        if not len(rows):
+            return None
+        return self._rows.chunk(k, int(rows[0]))
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
+        return dict, ({fqn: self[fqn] for fqn in self},)
 
 
 class IndexedItems(Mapping[MetadataIndex, StoredItem]):
     """The canonical stored items of an index load, {MetadataIndex: StoredItem}, read from
-    the index columns: a key's map from chunk offsets to row is built the first time the
-    key is asked for and a StoredItem the first time its row is, so a rank that reads its
-    own shards does not pay for a Python object per chunk of the whole job."""
+    the index columns: a lookup finds its row among its key's rows (numpy) and builds the
+    StoredItem the first time the row is asked for, so a rank that reads its own shards
+    does not pay for a Python object per chunk of the whole job."""
 
-    def __init__(self, names: list[str], bounds: list[int], order: np.ndarray, offsets: list[torch.Size | None], cols: _Columns) -> None:
-        self._names = names
-        self._key_of = {name: k for k, name in enumerate(names)}
-        self._bounds = bounds  # key k's rows: order[bounds[k] : bounds[k + 1]]
-        self._order = order
-        self._offsets = offsets  # per position in order
-        self._rows: dict[int, dict[torch.Size | None, int]] = {}
-        self._made: dict[int, StoredItem] = {}
+    def __init__(self, rows: _KeyRows, cols: _Columns, made: dict[int, StoredItem]) -> None:
+        self._rows = rows
+        self._key_of = {name: k for k, name in enumerate(rows.keys.names)}
+        self._made = made  # shared with the copies: a row's item is built once
         self._cols = cols
 
     def row_item(self, row: int) -> StoredItem:
@@ -574,55 +714,75 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
             self._made[row] = item
         return item
 
-    def _rows_of(self, k: int) -> dict[torch.Size | None, int]:
-        rows = self._rows.get(k)
-        if rows is None:
-            start, end = self._bounds[k], self._bounds[k + 1]
-            rows = dict(zip(self._offsets[start:end], self._order[start:end].tolist()))
-            self._rows[k] = rows  # a racing thread builds the same map
-        return rows
-
-    def _row(self, index: MetadataIndex) -> int | None:
-        k = self._key_of.get(index.fqn)
-        return None if k is None else self._rows_of(k).get(index.offset)
+    def _found(self, index: object) -> np.ndarray:
+        k = self._key_of.get(index.fqn) if isinstance(index, MetadataIndex) else None
+        return np.zeros(0, np.int64) if k is None else self._rows.find(k, index.offset)  # type: ignore[union-attr]
 
     def __getitem__(self, index: MetadataIndex) -> StoredItem:
-        row = self._row(index)
-        if row is None:
+        rows = self._found(index)
+        if not len(rows):
             raise KeyError(index)
-        return self.row_item(row)
+        return self.row_item(int(rows[0]))
 
     def __contains__(self, index: object) -> bool:
-        return isinstance(index, MetadataIndex) and self._row(index) is not None
+        return len(self._found(index)) > 0
 
     def __iter__(self) -> Iterator[MetadataIndex]:
-        for k, name in enumerate(self._names):
-            for offset in self._rows_of(k):
-                yield _metadata_index(name, offset)
+        yield from _indices(self._rows)
 
     def __len__(self) -> int:
-        return self._bounds[-1]
+        return int(self._rows.bounds[-1])
+
+
+class IndexedCopies(Mapping[MetadataIndex, list[StoredItem]]):
+    """The TP-replica copies of an index load, {MetadataIndex: [StoredItem, ...]}, looked up
+    from the columns like ``IndexedItems``."""
+
+    def __init__(self, rows: _KeyRows, cols: _Columns, made: dict[int, StoredItem]) -> None:
+        self._items = IndexedItems(rows, cols, made)
+        self._rows = rows
+        self._count: int | None = None
+
+    def __getitem__(self, index: MetadataIndex) -> list[StoredItem]:
+        rows = self._items._found(index)
+        if not len(rows):
+            raise KeyError(index)
+        return [self._items.row_item(row) for row in rows.tolist()]
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._items
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        seen: set[MetadataIndex] = set()
+        for index in _indices(self._rows):
+            if index not in seen:
+                seen.add(index)
+                yield index
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = sum(1 for _ in self)
+        return self._count
+
+    def __bool__(self) -> bool:
+        return bool(self._rows.bounds[-1])
+
+
+def _indices(rows: _KeyRows) -> Iterator[MetadataIndex]:
+    """Every row's MetadataIndex, key by key."""
+    for k in np.flatnonzero(np.diff(rows.bounds)).tolist():
+        name = rows.keys.names[k]
+        if not rows.keys.is_tensor[k]:
+            yield from (_metadata_index(name, None) for _ in range(len(rows.rows(k))))
+            continue
+        for offset in torch_sizes(rows.boxes(k)[0]):
+            yield _metadata_index(name, offset)
 
 
 def _by_key(key: np.ndarray, rows: np.ndarray, keys: int) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` stably sorted by key, and where each key's run starts (``keys + 1`` bounds)."""
     order = rows[np.argsort(key[rows], kind="stable")]
     return order, np.concatenate([[0], np.cumsum(np.bincount(key[order], minlength=keys))])
-
-
-def _key_boxes(
-    keys: _Keys, order: np.ndarray, bounds: np.ndarray, columns: tuple[np.ndarray, ...], starts: np.ndarray
-) -> Iterator[tuple[int, int, int, list[list[torch.Size | None]]]]:
-    """Per key whose rows are ``order[lo:hi]``: (key, lo, hi, for each of ``columns`` (box
-    values back to back, row r's from ``starts[r]``) the rows' boxes as torch.Size, None
-    for a bytes key). One numpy gather per key and column, no per-row scatter."""
-    for k in np.flatnonzero(np.diff(bounds)).tolist():
-        lo, hi = int(bounds[k]), int(bounds[k + 1])
-        if not keys.is_tensor[k]:
-            yield k, lo, hi, [[None] * (hi - lo) for _ in columns]
-            continue
-        at = starts[order[lo:hi]][:, None] + np.arange(int(keys.ndim[k]))
-        yield k, lo, hi, [list(torch_sizes(values[at])) for values in columns]
 
 
 class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import (
@@ -41,6 +41,9 @@ from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_i
 from dcp_ext.planning.plan_table import PlanTable, TensorFacts, items_from_table, table_from_items
 from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
 
+if TYPE_CHECKING:
+    from dcp_ext.planning.replica_units import ReplicaUnits
+
 NO_TP = -1
 
 
@@ -54,6 +57,7 @@ class RankAssignment:
     copy_rows: np.ndarray
     copy_tp: np.ndarray
     cuts: Cuts | None
+    units: ReplicaUnits | None = None  # of the rank's group: how to hash its digests in the next save
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,6 +67,7 @@ class GlobalPlan:
     seconds: dict[str, float]  # per planning phase
     counts: dict[str, int]  # ranks, distinct tables, rows, unique chunks, ...
     structure: _Structure  # of the declared rows, so a cached plan can re-run the replica check
+    classes: _Classes | None = None  # holder classes of ``structure``'s boxes (None: refined, not kept)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,7 +149,8 @@ def plan_globally(
             groups = dataclasses.replace(groups, tables=refined)
         structure, again = _structure(groups, clock, multi_rank=len(tables) > 1)
         assert not again, "refined chunks still overlap"
-    return dataclasses.replace(_assign(structure, cuts, tp_ranks, clock), structure=declared)
+    result = _assign(structure, cuts, tp_ranks, clock)
+    return dataclasses.replace(result, structure=declared, classes=None if cuts else result.classes)
 
 
 def _structure(groups: _Groups, clock: PhaseClock, *, multi_rank: bool) -> tuple[_Structure, Cuts]:
@@ -161,7 +167,7 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
     groups, rows, boxes = structure.groups, structure.rows, structure.boxes
     ranks = len(groups.of_rank)
     with clock.phase("balance"):
-        classes = _classes(groups, rows, boxes)
+        classes = holder_classes(groups, rows, boxes)
         load = np.zeros(ranks, np.int64)
         writer = _balance(classes, boxes.weight, load)
         writer_row = _row_of(structure, np.arange(len(boxes.fqn)), writer)
@@ -190,7 +196,7 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
         "max_rank_bytes": int(load.max(initial=0)),
         "mean_rank_bytes": int(load.mean()) if ranks else 0,
     }
-    return GlobalPlan(assignments, metadata, clock.seconds, counts, structure)
+    return GlobalPlan(assignments, metadata, clock.seconds, counts, structure, classes)
 
 
 # -- grouping and rows ------------------------------------------------------------------
@@ -418,7 +424,8 @@ class _Classes:
     members: list[np.ndarray]  # ranks of each class, ascending
 
 
-def _classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
+def holder_classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
+    """Boxes grouped by the set of groups holding them (a box held by one group: that group's class)."""
     holders = boxes.ends - boxes.starts
     of_box = np.empty(len(holders), np.int64)
     single = holders == 1

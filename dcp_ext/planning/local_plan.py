@@ -1,7 +1,8 @@
 """The plans our save planner exchanges through DCP: columns up, row numbers down.
 
 DCP gathers each rank's ``SavePlan`` on the coordinator and scatters one back. Ours carry
-no WriteItems on the wire: the local plan holds the rank's ``PlanTable`` (plus a digest per
+no WriteItems on the wire: the local plan holds the rank's ``PlanTable`` or only its digest
+when the coordinator can get the table elsewhere (``digest_exchange``) (plus a digest per
 chunk for the replica check and the rank's tensor-parallel coordinate for replica
 locality), and the plan sent back holds a ``RankAssignment`` (rows of that table to write)
 in ``planner_data``, the field DCP reserves for the planner: a storage writer may rebuild
@@ -25,8 +26,10 @@ from dcp_ext.planning.plan_table import PlanTable
 
 @dataclasses.dataclass(frozen=True)
 class ShardLocalPlan(SavePlan):
-    table: PlanTable | None = None
+    table: PlanTable | None = None  # None: the coordinator gets it elsewhere (digest_exchange)
+    table_digest: bytes = b""
     chunk_digests: np.ndarray | None = None  # (rows, 2) uint64, see replica_check
+    unit_hashes: np.ndarray | None = None  # (units, 2) uint64 instead, for a reused plan (replica_units)
     tp_rank: int | None = None  # this rank's coordinate on the tensor-parallel mesh dim
 
 

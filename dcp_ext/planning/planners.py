@@ -6,22 +6,36 @@ import dataclasses
 import io
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 
 from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
+from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.planning.dedup import chunk_view
+from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
+from dcp_ext.planning.load_plan import local_read_items
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
 from dcp_ext.planning.locality import canonical_index, tp_coordinate
 from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
-from dcp_ext.planning.plan_cache import cached_plan, remember_plan
-from dcp_ext.planning.plan_table import table_from_items
+from dcp_ext.planning.plan_cache import (
+    cached_plan,
+    held_tables,
+    plan_id,
+    plan_key,
+    remember_plan,
+    remember_units,
+    remembered_units,
+)
+from dcp_ext.planning.plan_table import PlanTable, table_from_items
 from dcp_ext.planning.replica_check import chunk_digest_rows
+from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
@@ -38,7 +52,13 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
 
     ``cache_plans=True``: the coordinator reuses the global plan of an earlier save whose
     every local plan was identical (``dcp_ext.planning.plan_cache``); DCP's
-    ``enable_plan_caching`` is accepted as the same switch.
+    ``enable_plan_caching`` is accepted as the same switch. Given ``group`` (the process
+    group passed to ``dcp.save``; ``dist.group.WORLD`` for the default one), ranks first
+    agree on their tables' digests in a small collective on it, so only tables the
+    coordinator does not hold travel in DCP's gather, and a reused plan's replica check
+    takes one hash per class of shared chunks (``digest_exchange``, ``replica_units``).
+    The exchange is opt-in because a planner cannot tell a ``no_dist=True`` save on one
+    rank from a distributed save: a collective there would wait forever.
 
     After a save, the coordinator's ``last_global_plan`` holds the plan with per-phase
     seconds and counts, and ``plan_reused`` says whether it came from the cache.
@@ -50,46 +70,98 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         replica_locality: bool = False,
         tp_dim: str | None = None,
         cache_plans: bool = True,
+        group: dist.ProcessGroup | None = None,  # the digest exchange's group; None: no exchange
         **kwargs: Any,
     ) -> None:
         if tp_dim is not None and not replica_locality:
             raise InvalidRequestError("ShardSavePlanner: tp_dim only applies with replica_locality=True")
         cache_plans = kwargs.pop("enable_plan_caching", False) or cache_plans
+        if group is not None and not cache_plans:
+            raise InvalidRequestError("ShardSavePlanner: group= only applies with cache_plans=True (it runs the digest exchange)")
         super().__init__(*args, **kwargs)
         self.replica_locality = replica_locality
         self.tp_dim = tp_dim or "tp"
         self.cache_plans = cache_plans
+        self.group = group
+        self._agreement: Agreement | None = None
         self.last_global_plan: GlobalPlan | None = None
         self.plan_reused = False
         self._local_items: list[WriteItem] = []
 
     def create_local_plan(self) -> SavePlan:
-        items = super().create_local_plan().items  # DCP's WriteItems for this rank
+        group = exchange_group(self.group) if self.group is not None else False
+        try:
+            items = super().create_local_plan().items  # DCP's WriteItems for this rank
+            table = table_from_items(items, self.mappings if self.flatten_state_dict else None)
+            digests = chunk_digest_rows(items, self.lookup_object) if self.check_replicas else None
+            tp_rank = tp_coordinate(self.state_dict, self.tp_dim) if self.replica_locality else None
+        except BaseException:
+            if group is not False:  # take part in the exchange so no rank waits, then fail
+                agree(group, None, None, self.is_coordinator, self._decide)
+            raise
         self._local_items = items
+        self._agreement = None if group is False else agree(group, table.digest, tp_rank, self.is_coordinator, self._decide)
+        send_table = self._agreement is None or self._agreement.send_table
+        units = None
+        if self._agreement is not None and self._agreement.plan_id is not None and digests is not None:
+            units = remembered_units(self._agreement.plan_id)
         return ShardLocalPlan(
             items=[],
-            table=table_from_items(items, self.mappings if self.flatten_state_dict else None),
-            chunk_digests=chunk_digest_rows(items, self.lookup_object) if self.check_replicas else None,
-            tp_rank=tp_coordinate(self.state_dict, self.tp_dim) if self.replica_locality else None,
+            table=table if send_table else None,
+            table_digest=table.digest,
+            chunk_digests=digests if units is None else None,
+            unit_hashes=None if units is None else unit_hashes(digests, units),
+            tp_rank=tp_rank,
         )
 
+    def _decide(self, digests: list[bytes], tp_ranks: list[int | None]) -> tuple[bytes | None, np.ndarray]:
+        """Coordinator, in the digest exchange: the cached plan's id for this layout, and who sends a table."""
+        key = plan_key(digests, tp_ranks if self.replica_locality else None)
+        cached = plan_id(key) if cached_plan(key) is not None else None
+        return cached, first_senders(digests, held_tables())
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        tables = [plan.table for plan in all_plans]
-        digests = [plan.chunk_digests for plan in all_plans] if self.check_replicas else None
-        tp_ranks = [plan.tp_rank for plan in all_plans] if self.replica_locality else None
-        key = (tuple(table.digest for table in tables), None if tp_ranks is None else tuple(tp_ranks))
+        plans = [_shard_plan(plan, rank) for rank, plan in enumerate(all_plans)]
+        if self._agreement is not None and self._agreement.world != len(plans):
+            raise InvalidRequestError(
+                f"ShardSavePlanner: the digest exchange ran on {self._agreement.world} ranks but dcp.save gathered "
+                f"{len(plans)} plans: pass ShardSavePlanner(group=...) the process group given to dcp.save"
+            )
+        tp_ranks = [plan.tp_rank for plan in plans] if self.replica_locality else None
+        key = plan_key([plan.table_digest for plan in plans], tp_ranks)
         result = cached_plan(key) if self.cache_plans else None
         self.plan_reused = result is not None
         if result is None:
+            digests = [plan.chunk_digests for plan in plans] if self.check_replicas else None
+            tables = _resolve_tables(plans)
             result = plan_globally(tables, chunk_digests=digests, tp_ranks=tp_ranks, mesh=self._placements.mesh)
             if self.cache_plans:
+                result = with_units(result, plan_id(key)) if self.check_replicas else result
                 remember_plan(key, result)
-        elif digests is not None:
-            check_replicas(result.structure, digests, self._placements.mesh)
+        elif self.check_replicas:
+            self._check_cached(result, plans)
         self.last_global_plan = result
         self.global_plan = [SavePlan(items=[], planner_data=a) for a in result.assignments]
         self.metadata = dataclasses.replace(result.metadata)  # the writer fills in storage data
         return self.global_plan, self.metadata
+
+    def _check_cached(self, result: GlobalPlan, plans: list[ShardLocalPlan]) -> None:
+        """The replica check against a reused plan: by unit hashes, or in full when every rank sent its rows."""
+        mesh = self._placements.mesh
+        if all(plan.unit_hashes is None for plan in plans):
+            check_replicas(result.structure, [plan.chunk_digests for plan in plans], mesh)
+            return
+        hashes = []
+        for rank, (plan, assignment) in enumerate(zip(plans, result.assignments)):
+            units = assignment.units
+            sent = plan.unit_hashes if plan.unit_hashes is not None else unit_hashes(_rows_of(plan, rank), units)
+            if len(sent) != len(units.classes):
+                raise InvalidRequestError(
+                    f"ShardSavePlanner: rank {rank} sent {len(sent)} replica hashes for a plan whose check has "
+                    f"{len(units.classes)} for it; its planner cache is out of step (clear_plan_cache() on every rank)"
+                )
+            hashes.append(sent)
+        check_units(result, hashes, mesh)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         assignment = new_plan.planner_data
@@ -99,6 +171,8 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
                 f"(found {type(assignment).__name__}); the storage writer's prepare_global_plan must keep "
                 "each plan's planner_data, e.g. dataclasses.replace(plan, storage_data=...)"
             )
+        if assignment.units is not None:
+            remember_units(assignment.units)
         self.plan = SavePlan(assigned_items(self._local_items, assignment), storage_data=new_plan.storage_data)
         return self.plan
 
@@ -109,6 +183,39 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if write_item.type == WriteItemType.SHARD:  # possibly a refined sub-chunk
             return chunk_view(self.state_dict[write_item.index.fqn], write_item)
         return super().resolve_data(write_item)
+
+
+def _shard_plan(plan: SavePlan, rank: int) -> ShardLocalPlan:
+    if not isinstance(plan, ShardLocalPlan) or not plan.table_digest:
+        raise InvalidRequestError(
+            f"ShardSavePlanner: rank {rank}'s local plan is a {type(plan).__name__} without a table digest; "
+            "every rank must save with ShardSavePlanner, and the storage writer's prepare_local_plan must keep "
+            "the plan's fields (dataclasses.replace(plan, storage_data=...))"
+        )
+    return plan
+
+
+def _resolve_tables(plans: list[ShardLocalPlan]) -> list[PlanTable]:
+    """Each rank's table: sent with its plan, by another rank with the same digest, or held."""
+    sent = {plan.table.digest: plan.table for plan in plans if plan.table is not None}
+    held = held_tables()
+    tables = []
+    for rank, plan in enumerate(plans):
+        table = sent.get(plan.table_digest) or held.get(plan.table_digest)
+        if table is None:
+            raise InvalidRequestError(
+                f"ShardSavePlanner: rank {rank} sent only its table digest {plan.table_digest.hex()}, which no "
+                "rank sent and the coordinator does not hold; the digest exchange and dcp.save ran on different "
+                "process groups? (pass ShardSavePlanner(group=...))"
+            )
+        tables.append(table)
+    return tables
+
+
+def _rows_of(plan: ShardLocalPlan, rank: int) -> np.ndarray:
+    if plan.chunk_digests is None:
+        raise InvalidRequestError(f"ShardSavePlanner: rank {rank} sent neither chunk digests nor replica hashes")
+    return plan.chunk_digests
 
 
 class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
@@ -127,6 +234,9 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     gathering them costs O(ranks x items) pickled objects through the coordinator. The
     local plan sent up is empty and ``finish_plan`` puts the rank's own items back, so the
     gather is one small message per rank. Storage readers see the items in ``read_data``.
+
+    With metadata from our index, the local plan is computed from the index's columns
+    (``load_plan``): only the chunks overlapping this rank's shards become objects.
     """
 
     def __init__(self, *args: Any, allow_unsafe_bytes: bool = False, **kwargs: Any) -> None:
@@ -135,7 +245,11 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         self._local_items: list[ReadItem] = []
 
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
+        keys = None if self.metadata is None else self.metadata.state_dict_metadata
+        if isinstance(keys, IndexedKeys):  # our index: plan from its columns (load_plan)
+            plan = LoadPlan(local_read_items(self.state_dict, keys, strict=not self.allow_partial_load))
+        else:
+            plan = super().create_local_plan()
         self._local_items = plan.items
         return dataclasses.replace(plan, items=[])
 

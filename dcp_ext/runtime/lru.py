@@ -55,6 +55,11 @@ class Lru(Generic[V]):
             if key in self._entries and (value is None or self._entries[key] is value):
                 del self._entries[key]
 
+    def values(self) -> list[V]:
+        """The entries, least recently used first (unchecked: for callers whose key is the check)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.data_files import rank_prefix
-from dcp_ext.formats.index import INDEX_NAME, StoredItem, decode_index
+from dcp_ext.formats.index import INDEX_NAME, IndexedKeys, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel, parse_tensor_record
@@ -69,25 +69,41 @@ class Catalog:
             raise CheckpointError(f"{self.url}: no stored item for key {index.fqn!r} at offset {index.offset}") from None
 
     def chunk(self, index: MetadataIndex) -> tuple[TensorStorageMetadata, ChunkStorageMetadata]:
-        """The tensor and chunk an item holds; each key's chunks are mapped on first use,
+        """The tensor (for its properties and size) and the chunk an item holds; an index
+        load answers from its columns, other catalogs map each key's chunks on first use,
         so a load maps only the keys it reads."""
-        md = self.metadata.state_dict_metadata.get(index.fqn)
-        if isinstance(md, TensorStorageMetadata):
-            by_offset = self._chunks_by_key.get(index.fqn)
-            if by_offset is None:
-                by_offset = {tuple(chunk.offsets): chunk for chunk in md.chunks}
-                self._chunks_by_key[index.fqn] = by_offset  # a racing thread builds the same map
-            chunk = by_offset.get(tuple(index.offset or ()))
-            if chunk is not None:
-                return md, chunk
+        state = self.metadata.state_dict_metadata
+        if isinstance(state, IndexedKeys):
+            found = state.chunk(index.fqn, index.offset)
+            if found is not None:
+                return self._tensor(index.fqn), found
+        else:
+            md = state.get(index.fqn)
+            if isinstance(md, TensorStorageMetadata):
+                by_offset = self._chunks_by_key.get(index.fqn)
+                if by_offset is None:
+                    by_offset = {tuple(chunk.offsets): chunk for chunk in md.chunks}
+                    self._chunks_by_key[index.fqn] = by_offset  # a racing thread builds the same map
+                chunk = by_offset.get(tuple(index.offset or ()))
+                if chunk is not None:
+                    return md, chunk
         raise CheckpointError(f"{self.url}: key {index.fqn!r} has no chunk at offset {index.offset}")
+
+    def _tensor(self, fqn: str) -> TensorStorageMetadata:
+        """A tensor key's facts without its chunk list (an index load builds that on demand)."""
+        facts = self.metadata.state_dict_metadata.facts(fqn)  # type: ignore[attr-defined]
+        return TensorStorageMetadata(facts[0], facts[1], [])
 
     def chunk_nbytes(self, index: MetadataIndex) -> int | None:
         """Bytes of the tensor chunk an item holds; None for a bytes item."""
-        md = self.metadata.state_dict_metadata.get(index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
+        state = self.metadata.state_dict_metadata
+        if isinstance(state, IndexedKeys):
+            tensor = index.fqn in state and state.facts(index.fqn) is not None
+        else:
+            tensor = isinstance(state.get(index.fqn), TensorStorageMetadata)
+        if not tensor:
             return None
-        _, chunk = self.chunk(index)
+        md, chunk = self.chunk(index)
         return numel(tuple(chunk.sizes)) * md.properties.dtype.itemsize
 
     def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
@@ -149,6 +165,39 @@ def _read_optional(location: Location, name: str) -> bytes | None:
         return None
 
 
+@dataclass
+class _MetadataFile:
+    """``.metadata`` as a read needs it: size and CRC32C always, the bytes only when the
+    pickle must be decoded. With an index that belongs to it, the file is streamed through
+    the CRC in blocks: at a million chunks that spares every rank holding ~170 MB."""
+
+    facts: tuple[int, int]  # size, CRC32C
+    data: bytes | None
+
+    BLOCK = 8 << 20
+
+    @classmethod
+    def read(cls, location: Location, keep_bytes: bool) -> _MetadataFile:
+        try:
+            if keep_bytes:
+                data = location.read_bytes(METADATA_NAME)
+                return cls((len(data), crc32c.crc32c(data)), data)
+            size, crc = 0, 0
+            with location.open_file(METADATA_NAME) as f:
+                while block := f.read(cls.BLOCK):
+                    size, crc = size + len(block), crc32c.crc32c(block, crc)
+            return cls((size, crc), None)
+        except FileNotFoundError:
+            raise CheckpointError(f"{location.url}: no committed checkpoint here ({METADATA_NAME} is missing)") from None
+
+    def contents(self, location: Location) -> bytes:
+        """The bytes (read again if only streamed; a changed file fails the catalog's signature check)."""
+        if self.data is None:
+            self.data = location.read_bytes(METADATA_NAME)
+            self.facts = (len(self.data), crc32c.crc32c(self.data))
+        return self.data
+
+
 def read_catalog(location: Location) -> Catalog:
     """Read ``.metadata``, the index when it belongs to it, and the commit marker.
 
@@ -160,16 +209,14 @@ def read_catalog(location: Location) -> Catalog:
     """
     source = f"{location.url}/{METADATA_NAME}"
     signature = catalog_signature(location)
-    metadata_bytes = _read_optional(location, METADATA_NAME)
-    if metadata_bytes is None:
-        raise CheckpointError(f"{location.url}: no committed checkpoint here ({METADATA_NAME} is missing)")
     index_bytes = _read_optional(location, INDEX_NAME)
+    metadata_file = _MetadataFile.read(location, keep_bytes=index_bytes is None)
     marker_bytes = _read_optional(location, MARKER_NAME)
     marker = None
     if marker_bytes is not None:
         with contextlib.suppress(CorruptCheckpointError):  # a torn marker commits nothing
             marker = CommitMarker.decode(marker_bytes, f"{location.url}/{MARKER_NAME}")
-    marked = marker is not None and marker.commits_metadata(metadata_bytes)
+    marked = marker is not None and (marker.metadata_size, marker.metadata_crc32c) == metadata_file.facts
     indexed = None
     if index_bytes is not None:
         corrupt_index = CorruptCheckpointError(
@@ -182,14 +229,14 @@ def read_catalog(location: Location) -> Catalog:
             if marked and not marker.commits_index(index_bytes):
                 raise corrupt_index from None
             raise
-        if candidate.metadata_size == len(metadata_bytes) and candidate.metadata_crc32c == crc32c.crc32c(metadata_bytes):
+        if (candidate.metadata_size, candidate.metadata_crc32c) == metadata_file.facts:
             indexed = candidate
             if marked and not marker.commits_index(index_bytes):
                 raise corrupt_index
     if indexed is not None and indexed.metadata is not None:
         metadata, items = indexed.metadata, indexed.items
     else:
-        metadata = load_metadata_pickle(metadata_bytes, source)
+        metadata = load_metadata_pickle(metadata_file.contents(location), source)
         items = indexed.items if indexed is not None else None
     try:
         if items is None:
@@ -200,7 +247,7 @@ def read_catalog(location: Location) -> Catalog:
             check_metadata(metadata, items, source, copies)
         catalog = Catalog(
             location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies,
-            fingerprint=crc32c.crc32c(metadata_bytes),
+            fingerprint=metadata_file.facts[1],
         )
     except CheckpointError:
         raise

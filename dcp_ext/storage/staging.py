@@ -1,72 +1,64 @@
-"""Staging for ``dcp.async_save``: one reusable CPU copy of the state dict per writer.
+"""Staging for async saves: one reusable CPU copy of the state dict per writer.
 
-``dcp.async_save`` uses the storage writer as its stager when the writer implements DCP's
-``AsyncStager`` protocol; otherwise it builds a fresh ``DefaultStager`` per call and closes
-it afterwards, so every save allocates (and page-faults) a new CPU copy of the whole state
-dict. ``AsyncStagingMixin`` makes ``ShardWriter`` its own stager and keeps the copy:
+Built on DCP's public staging contract only. ``ShardWriter`` is an ``AsyncStager``
+whose ``stage`` blocks until the copy is complete and which, like torch's
+``BlockingAsyncStager``, sets ``should_synchronize_after_execute`` to False: DCP never
+calls the deprecated ``synchronize_staging`` hook, and ``dcp.async_save`` returns the plain
+upload future. Two layers:
 
-* Reuse. The buffers are keyed on the state dict's structure (every path, and each tensor's
-  shape, dtype, stride and device; for a DTensor also its mesh, placements and global
-  shape; for a ShardedTensor its shard layout). A save with the same structure copies into
-  the same memory; a changed structure drops the old buffers first, then allocates new
-  ones, so at most one set is held. Buffers are pinned when a tensor lives on CUDA and CUDA
-  is available. Allocation and copy are torch's own (``_create_cpu_state_dict`` /
-  ``_copy_state_dict``, as ``BlockingAsyncStager`` uses them), so DTensor and ShardedTensor
-  local shards are staged the way DCP stages them; non-tensor values are copied per save.
-* Synchronous. ``stage`` returns once every byte is copied: the caller may change its
-  tensors as soon as ``dcp.async_save`` returns.
-* One save at a time per writer. A save through a writer whose previous save is still
-  running waits for it before touching the buffers. A second buffer set would not help:
-  with DCP's thread executor both saves would run DCP's collectives on the same process
-  group from two threads at once and share the writer's per-save state (path, save id,
-  rank); DCP's checkpoint process serves one request at a time anyway, so the second save
-  would only queue behind the first while holding twice the memory. The wait costs the
-  training step only when saves are started faster than they finish. (The writer itself
-  also admits one save at a time, in ``reset``/``set_up_storage_writer``, for saves staged
-  by another stager: ``dcp_ext.storage.save_tracking.SaveSlot``.)
-* A plain ``dcp.save`` through the writer while its async save runs (same thread) waits
-  for that save too, for the same reasons.
-* Failures surface. DCP raises a background failure from the future's ``.result()``; the
-  next ``async_save`` through the same writer raises it again, once, as a
-  ``CheckpointError`` naming the checkpoint (it cannot tell whether ``.result()`` was
-  called, and a lost checkpoint must not go unnoticed). A save that fails before its
-  commit point leaves the previous checkpoint intact (``dcp_ext.storage.commit``).
+* ``StagingBuffers``: structure-keyed reuse. The buffers are keyed on the state dict's
+  structure (every path, and each tensor's shape, dtype, stride and device; for a DTensor
+  also its mesh, placements and global shape; for a ShardedTensor its shard layout). A save
+  with the same structure copies into the same memory; a changed structure drops the old
+  buffers first, then allocates new ones, so at most one set is held. Buffers are pinned
+  when a tensor lives on CUDA and CUDA is available. Allocation and copy are torch's own
+  (``_create_cpu_state_dict`` / ``_copy_state_dict``, as ``BlockingAsyncStager`` uses
+  them); without reuse each save is staged by a ``BlockingAsyncStager``.
+* ``AsyncStagingMixin``: when a staged copy is free again. DCP gives a stager no handle on
+  the upload: the only public signal that a save has finished with its staged copy (and
+  whether it failed) is the future ``dcp.async_save`` returns to its caller.
+  ``writer.async_save(state_dict, ...)`` calls ``dcp.async_save`` with the writer as
+  storage writer and stager, keeps that future and returns it. Its next call waits for
+  that future before staging into the same buffers (one save at a time per writer: with
+  DCP's thread executor two saves at once would run collectives on one process group from
+  two threads and share the writer's per-save state; DCP's checkpoint process serves one
+  request at a time anyway), and a failed save is raised once more, as a
+  ``CheckpointError`` naming the checkpoint, by the next ``writer.async_save``, by a plain
+  ``dcp.save`` through the writer from the same thread, or by ``close()``.
 
-DCP never hands a stager the future it returns. ``async_save`` calls
-``synchronize_staging()`` right after it scheduled the upload, so the mixin takes that
-future (and the ``checkpoint_id`` argument) from the enclosing ``async_save`` call there.
-When it cannot (``stage`` called outside ``async_save``, or the upload never scheduled), it
-cannot know when the previous staged copy is free, so the next save stages into new memory
-(with a warning) instead of reusing it. ``close()`` waits for the save in flight, raises its
-failure like the next save would, and releases the buffers; DCP never closes a writer.
+``dcp.async_save(storage_writer=writer)`` called directly never hands the writer its
+future, so the writer cannot know when a copy is free: it stages such a save into new
+memory that it does not keep (as stock DCP does), and the save's failure is reported by
+its future alone. ``reuse_staging=True`` asks for reuse in every save, so there ``stage``
+refuses a direct call, naming the option; ``reuse_staging=False`` never reuses.
 
 With ``AsyncCheckpointerType.PROCESS`` torch moves the staged tensors into shared memory
 when it sends them to its checkpoint process, the first time only: from the second save on
-the reused buffers already live there.
+the reused buffers already live there. The writer is pickled there without its buffers.
 """
+
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import inspect
-import sys
+import os
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
-from dcp_ext.errors import CheckpointError
-
-_ASYNC_SAVE_CODE = inspect.unwrap(state_dict_saver.async_save).__code__
+from dcp_ext.errors import CheckpointError, InvalidRequestError
 
 NodePath = tuple[Any, ...]
 
@@ -132,12 +124,13 @@ class StagingBuffers:
     """CPU copies of a state dict, reused while its structure stays the same.
 
     Args:
-        reuse: keep the buffers between saves (False: new memory per save, like DCP's own
-            stager, released when the save lets go of it).
+        reuse: keep the buffers between saves (False: new memory per save from torch's
+            ``BlockingAsyncStager``, as stock DCP stages, released when the save lets go of it).
     """
 
     def __init__(self, reuse: bool = True):
         self.reuse = reuse
+        self._fresh = BlockingAsyncStager()  # torch's own, for copies that are not kept
         self.allocations = 0  # buffer sets allocated so far
         self._key: tuple[Any, ...] | None = None
         self._buffers: STATE_DICT_TYPE | None = None
@@ -145,14 +138,20 @@ class StagingBuffers:
     @torch.no_grad()
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         """A CPU copy of ``state_dict``, complete when this returns."""
-        structure = Structure.of(state_dict)
         if not self.reuse:
-            return _copy_state_dict(state_dict, self._allocate(state_dict, structure), type_check=False)
+            return self.copy(state_dict)
+        structure = Structure.of(state_dict)
         if structure.key != self._key:
             self.release()  # before allocating: never two sets at once
-            self._buffers = self._allocate(state_dict, structure)
+            self.allocations += 1
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=structure.pin_memory)
             self._key = structure.key
         return _copy_state_dict(state_dict, self._buffers, type_check=False)
+
+    def copy(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+        """A CPU copy of ``state_dict`` in new memory, held only by the save it is given to."""
+        self.allocations += 1
+        return self._fresh.stage(state_dict)
 
     def release(self) -> None:
         """Drop the buffers (memory is freed once no save holds a staged copy)."""
@@ -168,88 +167,100 @@ class StagingBuffers:
         """Where each held buffer's data lives: equal across saves when memory is reused."""
         return [t.data_ptr() for t in local_tensors(self._buffers or {})]
 
-    def _allocate(self, state_dict: STATE_DICT_TYPE, structure: Structure) -> STATE_DICT_TYPE:
-        self.allocations += 1
-        return _create_cpu_state_dict(state_dict, pin_memory=structure.pin_memory)
-
 
 @dataclasses.dataclass
 class _PendingSave:
-    """A save whose staged copy may still be in use: its checkpoint and DCP's future for it."""
+    """A save whose staged copy may still be in use: its checkpoint, the thread that started
+    it (DCP runs the upload elsewhere) and the future ``dcp.async_save`` returned for it."""
 
     checkpoint: str
-    thread: int  # the thread that staged it (DCP runs the upload elsewhere)
-    future: concurrent.futures.Future | None = None
-
-
-def _enclosing_async_save() -> dict[str, Any] | None:
-    """The locals of the ``dcp.async_save`` call this code runs inside, or None."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not _ASYNC_SAVE_CODE:
-        frame = frame.f_back
-    return None if frame is None else dict(frame.f_locals)
+    thread: int
+    future: concurrent.futures.Future
 
 
 class AsyncStagingMixin(AsyncStager):
     """Makes a storage writer its own ``AsyncStager`` with reusable staging buffers.
 
-    For ``ShardWriter`` (needs its ``location``). ``reuse_staging=False`` stages every save
-    into new memory; saves are still serialized and failures still surface.
+    For ``ShardWriter`` (needs its ``location``). ``reuse_staging``: None reuses in saves
+    started with ``async_save``; True as well, and refuses ``dcp.async_save`` called
+    directly; False stages every save into new memory (saves through ``async_save`` are
+    still serialized and their failures still surface).
     """
 
-    def __init__(self, *args: Any, reuse_staging: bool = True, **kwargs: Any):
+    # staging is complete when ``stage`` returns: DCP must not call the deprecated
+    # ``synchronize_staging`` (``BlockingAsyncStager`` sets the same)
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, *args: Any, reuse_staging: bool | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.staging = StagingBuffers(reuse_staging)
+        if reuse_staging is not None and not isinstance(reuse_staging, bool):
+            raise InvalidRequestError(f"ShardWriter: reuse_staging must be None, True or False, got {reuse_staging!r}")
+        self.reuse_staging = reuse_staging
+        self.staging = StagingBuffers(reuse_staging is not False)
         self._pending_save: _PendingSave | None = None
+        self._starting = threading.Lock()  # one ``async_save`` call at a time
+        self._stager_thread: int | None = None  # the thread inside ``async_save``, while it stages
+
+    def async_save(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        *,
+        checkpoint_id: str | os.PathLike[str] | None = None,
+        planner: SavePlanner | None = None,
+        process_group: ProcessGroup | None = None,
+        async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+        no_dist: bool = False,
+    ) -> concurrent.futures.Future:
+        """``dcp.async_save`` through this writer, which stages; returns DCP's upload future.
+
+        Waits for the previous save started here (raising its failure, once) before staging
+        into the same buffers; returns once the copy is complete.
+        """
+        with self._starting:
+            self._wait_for_previous_save()
+            self._stager_thread = threading.get_ident()
+            try:
+                future = state_dict_saver.async_save(
+                    state_dict,
+                    checkpoint_id=checkpoint_id,
+                    storage_writer=self,
+                    planner=planner,
+                    process_group=process_group,
+                    async_checkpointer_type=async_checkpointer_type,
+                    no_dist=no_dist,
+                )
+            finally:
+                self._stager_thread = None
+            if not isinstance(future, concurrent.futures.Future):  # a stager that blocks gets a plain future
+                raise CheckpointError(f"{self.location.url}: dcp.async_save returned {type(future).__name__}, not a Future")
+            checkpoint = self.location.url if checkpoint_id is None else str(checkpoint_id)
+            self._pending_save = _PendingSave(checkpoint, threading.get_ident(), future)
+            return future
 
     # -- AsyncStager protocol ---------------------------------------------------------------
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
-        """Copy ``state_dict`` to CPU once the previous save through this writer is done."""
-        if not self._wait_for_previous_save():
-            warnings.warn(
-                f"{self.location.url}: the previous staged copy may still be in use (no dcp.async_save "
-                "future was seen for it); staging into new memory",
-                RuntimeWarning,
-                stacklevel=2,
+        """Copy ``state_dict`` to CPU; complete when this returns."""
+        if self._stager_thread == threading.get_ident():  # inside ``async_save``: its future will be kept
+            return self.staging.stage(state_dict)
+        if self.reuse_staging:
+            raise InvalidRequestError(
+                f"{self.location.url}: ShardWriter(reuse_staging=True) reuses its staging memory only in saves "
+                "started with writer.async_save(state_dict, ...), which keeps the future DCP returns to know "
+                "when the copy is free (dcp.async_save never hands it to the writer); call writer.async_save "
+                "with the same arguments, or leave reuse_staging at None to stage direct calls into new memory"
             )
-            self.staging.release()
-        staged = self.staging.stage(state_dict)
-        self._pending_save = _PendingSave(self.location.url, threading.get_ident())
-        return staged
-
-    def synchronize_staging(self) -> None:
-        """Called by ``async_save`` after it scheduled the upload: remember its future.
-
-        Staging itself is already complete when ``stage`` returns.
-        """
-        pending, call = self._pending_save, _enclosing_async_save()
-        if pending is None or pending.future is not None or call is None:
-            return
-        futures = [v for v in call.values() if isinstance(v, concurrent.futures.Future)]
-        if len(futures) == 1:
-            pending.future = futures[0]
-        if call.get("checkpoint_id") is not None:
-            pending.checkpoint = str(call["checkpoint_id"])
+        return self.staging.copy(state_dict)
 
     def finish_async_save_first(self) -> None:
         """Called where every save starts (``reset``, ``set_up_storage_writer``): a save started
-        on the thread that staged the async save still running (a plain ``dcp.save`` after
-        ``dcp.async_save``) waits for it and raises its failure, because the two would share
-        this writer's per-save state and run collectives on one process group at once. The
-        upload's own calls come from DCP's executor thread (or process) and pass through.
+        on the thread that started the async save still running (a plain ``dcp.save`` after
+        ``writer.async_save``) waits for it and raises its failure, because the two would
+        share this writer's per-save state and run collectives on one process group at once.
+        The upload's own calls come from DCP's executor thread (or process) and pass through.
         """
         pending = self._pending_save
-        if pending is None or pending.thread != threading.get_ident():
-            return
-        if pending.future is None:
-            warnings.warn(
-                f"{self.location.url}: a save started while an async save staged by this writer may still "
-                "be running (no dcp.async_save future was seen for it to wait on)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        self._wait_for_previous_save()
+        if pending is not None and pending.thread == threading.get_ident():
+            self._wait_for_previous_save()
 
     def close(self) -> None:
         """Wait for the save in flight, then release the staging memory.
@@ -266,22 +277,21 @@ class AsyncStagingMixin(AsyncStager):
         state = self.__dict__.copy()
         state["staging"] = StagingBuffers(self.staging.reuse)  # buffers stay in this process
         state["_pending_save"] = None  # futures do not pickle; the child never stages
+        state["_starting"] = None  # locks do not pickle; the child never starts a save
+        state["_stager_thread"] = None
         return state
 
     # -- helpers -----------------------------------------------------------------------------
-    def _wait_for_previous_save(self) -> bool:
-        """Wait for the previous save and raise its failure (once). False: its future is unknown."""
+    def _wait_for_previous_save(self) -> None:
+        """Wait for the previous save started here and raise its failure (once)."""
         pending, self._pending_save = self._pending_save, None
         if pending is None:
-            return True
-        if pending.future is None:
-            return False
+            return
         concurrent.futures.wait([pending.future])
         error = None if pending.future.cancelled() else pending.future.exception()
         if error is not None:
             raise CheckpointError(
-                f"{pending.checkpoint}: the previous dcp.async_save through this writer failed in the "
+                f"{pending.checkpoint}: the previous async save through this writer failed in the "
                 f"background; the directory holds the last checkpoint that committed: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        return True

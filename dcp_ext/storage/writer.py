@@ -32,6 +32,7 @@ from dcp_ext.storage.location import Location
 from dcp_ext.storage.records import RecordSink, write_bytes, write_tensor
 from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
 from dcp_ext.storage.staging import AsyncStagingMixin
+from dcp_ext.storage.writeback import early_writeback
 
 DCP_METADATA_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 
@@ -97,8 +98,10 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         storage_options: passed to fsspec for URLs.
         on_report: called with this rank's ``SaveReport`` when its part of a save ends
             (see ``dcp_ext.observe``); the latest is also kept as ``last_report``.
-        reuse_staging: under ``dcp.async_save``, stage every save into the same CPU buffers
-            (see ``dcp_ext.storage.staging``); False allocates new ones per save.
+        reuse_staging: None: saves started with ``writer.async_save`` stage into the same
+            CPU buffers, ``dcp.async_save`` called directly into new ones; True: the same, but
+            a direct ``dcp.async_save`` is refused; False: new buffers per save (see
+            ``dcp_ext.storage.staging``).
         compression: ``"zstd"`` passes every record through DCP's ``ZStandard`` stream
             transform, recorded in ``.metadata`` as stock ``_extensions`` do, so stock
             readers read the checkpoint too; checksums cover the stored bytes. Needs the
@@ -115,7 +118,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         overwrite: bool = True,
         storage_options: dict[str, Any] | None = None,
         on_report: ReportCallback | None = None,
-        reuse_staging: bool = True,
+        reuse_staging: bool | None = None,
         compression: str | None = None,
     ):
         super().__init__(reuse_staging=reuse_staging)
@@ -288,6 +291,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         results = []
         with self.location.create(name, self.sync_files, needed=sum(map(item_nbytes, items))) as out:
             sink = RecordSink(out, self.checksums)
+            # a local file to be fsynced goes to disk while later records are serialized
+            writeback = early_writeback(out) if self.sync_files and self.location.is_local else None
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -296,6 +301,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                     where = f"{self.location.url}/{name} key {item.index.fqn!r}"
                     stored = write_tensor(sink, name, data, where, self.transform)
                 results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
+                if writeback is not None:
+                    writeback.written(sink.position)
                 crash_point("mid-file")
         crash_point("after-file")
         return results
