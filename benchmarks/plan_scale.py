@@ -71,11 +71,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.planning.digest_exchange import first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, plan_globally
 from dcp_ext.planning.load_plan import chunk_read_items
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
-from dcp_ext.planning.locality import copy_index
 from dcp_ext.planning.plan_cache import cached_plan, clear_plan_cache, plan_id, plan_key, remember_plan
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 from dcp_ext.planning.plan_table import BYTE_IO, PlanTable, items_from_table, make_table, table_from_items
@@ -357,7 +357,7 @@ def write_results(job: Job, result: GlobalPlan) -> list[list[WriteResult]]:
             fqn, nd = table.fqns[table.fqn_id[row]], int(table.ndim[row])
             index = MetadataIndex(fqn, table.offsets[row, :nd].tolist() if table.kind[row] != BYTE_IO else None, hint)
             if tp is not None:
-                index = copy_index(index, tp)
+                index = ReplicaCopyIndex.of(index, tp)
             length = int(table.nbytes[row]) + 1100
             stored = StoredItem(f"__{rank}_0123456789ab_{n % 8}.distcp", position[n % 8], length, position[n % 8] + 1024, n)
             position[n % 8] += length

@@ -6,7 +6,7 @@ checkpoint), loads it back with the metadata cache on and checks it bit-exact. E
 random phase (``DCP_EXT_CRASH_AT``) or is killed after a random delay; the directory
 must then hold the old or the new checkpoint whole and pass ``verify_checkpoint``.
 Every ``--corrupt-every`` iterations a copy of the checkpoint gets a random corruption
-(from ``tests/test_reliability_corruption.py``) that verification must detect. RSS is
+(from ``tests/reliability/test_corruption.py``) that verification must detect. RSS is
 sampled throughout; the run stops at the first failure.
 
 Usage::
@@ -32,13 +32,15 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from conftest import assert_state_equal, load, save  # noqa: E402
-from test_reliability_corruption import corrupt, stored_items  # noqa: E402
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+sys.path[:0] = [TESTS, os.path.join(TESTS, "reliability")]
+from test_corruption import corrupt, stored_items  # noqa: E402
 
 from dcp_ext import CheckpointError  # noqa: E402
 from dcp_ext.runtime.crash import CRASH_ENV  # noqa: E402
 from dcp_ext.storage.verify import verify_checkpoint  # noqa: E402
+
+from support import assert_state_dict_equal, load, save  # noqa: E402
 
 PHASES = ["before-data", "mid-file", "after-file", "after-data", "before-commit", "after-index", "before-marker", "mid-cleanup"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
@@ -84,7 +86,7 @@ def crash_round(path: str, old_seed: int, new_seed: int, rng: random.Random) -> 
     if seed not in (old_seed, new_seed):
         raise AssertionError(f"after a kill at {phase}: checkpoint of seed {seed}")
     want = random_state(seed)
-    assert_state_equal(load(want, path, cache_metadata=False)[0], want)
+    assert_state_dict_equal(load(want, path, cache_metadata=False)[0], want)
     return "old" if seed == old_seed else "new"
 
 
@@ -141,7 +143,7 @@ def main() -> None:
                     seed += 1
             state = random_state(seed)
             save(state, path, thread_count=2)
-            assert_state_equal(load(state, path)[0], state)
+            assert_state_dict_equal(load(state, path)[0], state)
             if n % args.corrupt_every == 0:
                 figures["corruptions"] += 1
                 corruption_round(path, state, rng)

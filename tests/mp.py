@@ -21,8 +21,13 @@ slower suite).
 
 ``fn`` must be a module-level function (it is pickled by reference), and
 ``args`` and return values must be picklable.  Assertions inside workers are
-not rewritten by pytest, so use the ``assert_*`` helpers below: they put the
-names, dtypes, shapes and first differing element in the message.
+not rewritten by pytest, so use ``support.assert_tensor_equal`` /
+``assert_state_dict_equal``: they put the names, dtypes, shapes and first
+differing element in the message.
+
+A test that starts a job must carry ``@pytest.mark.mp`` (``pytest -m "not mp"``
+is the fast layer): ``conftest.py`` tells this module whether the running test
+has the mark, and ``run_job`` refuses otherwise.
 """
 
 from __future__ import annotations
@@ -41,13 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch.multiprocessing.spawn import ProcessException
 
-__all__ = [
-    "run_job",
-    "assert_tensor_equal",
-    "assert_state_dict_equal",
-    "garbage_like",
-    "WorkerError",
-]
+__all__ = ["run_job", "WorkerError"]
 
 START_METHOD = os.environ.get("DCP_EXT_MP_START", "forkserver")
 _PRELOAD = [
@@ -73,6 +72,10 @@ def _start_method() -> str:
         multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
         _preload_set = True
     return START_METHOD
+
+
+MISSING_MP_MARK = "run_job in a test without @pytest.mark.mp: mark it, so `pytest -m \"not mp\"` stays the fast layer"
+running_test_has_mp_mark = True  # set by conftest.py before each test; True outside pytest
 
 
 class WorkerError(AssertionError):
@@ -144,6 +147,8 @@ def run_job(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float 
     Returns ``[return value of rank 0, rank 1, ...]``.
     """
     __tracebackhide__ = True
+    if not running_test_has_mp_mark:
+        raise AssertionError(MISSING_MP_MARK)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     name = getattr(fn, "__qualname__", repr(fn))
@@ -204,95 +209,3 @@ def _kill_all(ctx) -> None:
             p.kill()
     for p in ctx.processes:
         p.join(5)
-
-
-# ---------------------------------------------------------------------------
-# comparison helpers usable inside workers (readable messages without pytest)
-# ---------------------------------------------------------------------------
-
-
-def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.numel() == 0:
-        return ""
-    if a.dtype == torch.bool:
-        ne = a != b
-    else:
-        # Compare bit patterns so NaNs and -0.0 count as the values they are.
-        ne = _bits(a) != _bits(b)
-    idx = ne.nonzero()
-    if idx.numel() == 0:
-        return ""
-    first = tuple(int(i) for i in idx[0])
-    return f"; {int(ne.sum())} elements differ, first at {first}: {a[first].item()!r} vs {b[first].item()!r}"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    size = t.element_size()
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    return t.view(view)
-
-
-def assert_tensor_equal(actual: Any, expected: Any, name: str = "tensor") -> None:
-    """Bit-exact equality of dtype, shape and every element's bytes.
-
-    A DTensor ``actual`` is compared by its local shard; ``expected`` is then
-    the expected local shard.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(actual, DTensor):
-        actual = actual.to_local()
-    if isinstance(expected, DTensor):
-        expected = expected.to_local()
-    if not isinstance(actual, torch.Tensor):
-        raise AssertionError(f"{name}: expected a tensor, got {type(actual).__name__}: {actual!r}")
-    if actual.dtype != expected.dtype:
-        raise AssertionError(f"{name}: dtype {actual.dtype} != expected {expected.dtype}")
-    if tuple(actual.shape) != tuple(expected.shape):
-        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
-    if actual.numel() == 0:
-        return
-    if not torch.equal(_bits(actual), _bits(expected)):
-        raise AssertionError(f"{name}: values differ{_first_diff(actual, expected)}")
-
-
-def assert_state_dict_equal(actual: Any, expected: Any, path: str = "") -> None:
-    """Recursive bit-exact comparison of nested dicts/lists of tensors and objects."""
-    where = path or "<root>"
-    if isinstance(expected, torch.Tensor):
-        assert_tensor_equal(actual, expected, where)
-    elif isinstance(expected, dict):
-        if not isinstance(actual, dict):
-            raise AssertionError(f"{where}: expected a dict, got {type(actual).__name__}")
-        if set(actual) != set(expected):
-            raise AssertionError(
-                f"{where}: keys differ: missing {sorted(map(str, set(expected) - set(actual)))}, "
-                f"extra {sorted(map(str, set(actual) - set(expected)))}"
-            )
-        for k in expected:
-            assert_state_dict_equal(actual[k], expected[k], f"{path}.{k}" if path else str(k))
-    elif isinstance(expected, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in expected):
-        if type(actual) is not type(expected) or len(actual) != len(expected):
-            raise AssertionError(f"{where}: expected {type(expected).__name__} of {len(expected)}, got {actual!r}")
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_state_dict_equal(a, e, f"{where}[{i}]")
-    else:
-        if type(actual) is not type(expected) or actual != expected:
-            raise AssertionError(f"{where}: {actual!r} ({type(actual).__name__}) != expected {expected!r} ({type(expected).__name__})")
-
-
-def garbage_like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of t's dtype/shape whose every element differs from t's.
-
-    Test data never holds -7777, so a destination left unwritten is caught;
-    for bool the garbage is the negation of the expected values.
-    """
-    if t.dtype == torch.bool:
-        return torch.logical_not(t)
-    if t.dtype.is_floating_point:
-        return torch.full(t.shape, -7777.0, dtype=torch.float32).to(t.dtype)
-    return torch.full(t.shape, -7777, dtype=t.dtype)
-

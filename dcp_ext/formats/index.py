@@ -412,6 +412,12 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
     lookup = np.array([key_of_name.get(name, -1) for name in cols.fqn_names] + [-1], np.int64)
     if cols.nulls["fqn"] or cols.nulls["file"]:
         raise CorruptCheckpointError(f"{source}: index rows without a key or file name")
+    for column, codes, names, lowest in (
+        ("fqn", cols.fqn, cols.fqn_names, 0),
+        ("file", cols.file, cols.file_names, 0),
+        ("transforms", cols.transforms, cols.transform_names, -1),  # -1: none
+    ):
+        _check_codes(source, column, codes, len(names), lowest)
     key = lookup[cols.fqn] if len(cols.fqn) else np.zeros(0, np.int64)
     if np.any(key < 0):
         fqn = cols.fqn_names[cols.fqn[np.argmax(key < 0)]]
@@ -421,6 +427,13 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
     _check_locations(names, cols, source)
     off_rows, size_rows = _check_boxes(names, key, tensor, keys, cols, source)
     return _objects(header, keys, cols, key, tensor, off_rows, size_rows, source)
+
+
+def _check_codes(source: str, column: str, codes: np.ndarray, count: int, lowest: int) -> None:
+    """Dictionary codes Arrow does not check on read: one out of range would pick another
+    entry (numpy wraps negative indices) or fail later, at lookup."""
+    if len(codes) and (int(codes.min()) < lowest or int(codes.max()) >= count):
+        raise CorruptCheckpointError(f"{source}: index column {column!r} refers past its {count} dictionary entries")
 
 
 class _RowNames:

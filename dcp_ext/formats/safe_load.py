@@ -77,7 +77,7 @@ def stored_at(tensor: torch.Tensor, where: str) -> int:
     torch records it as ``UntypedStorage._checkpoint_offset`` when it loads a zip file onto
     the meta device (what ``torch.load(mmap=True)`` and fake-tensor loading build on); it is
     not public API, so a torch that stops setting it fails here, loudly, never with wrong
-    offsets (tests/test_megatron_legacy.py checks the offsets against the zip directory).
+    offsets (tests/integration/test_megatron_legacy.py checks the offsets against the zip directory).
     """
     offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
     if not isinstance(offset, int) or offset < 0:

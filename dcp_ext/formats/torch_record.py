@@ -1,10 +1,22 @@
-"""Where the raw tensor bytes sit inside a ``torch.save`` record, found without torch.load.
+"""The ``torch.save`` tensor record, both directions: written checksummed, parsed without torch.load.
 
-A DCP data file is a sequence of ``torch.save`` records, each an uncompressed zip archive
-whose ``data/0`` entry holds the tensor bytes. Knowing the entry's offset, dtype, shape
-and strides lets a reader copy exactly the bytes it needs straight into the destination
-tensor. The record's pickle is decoded by a tiny allowlist unpickler that only records
-the arguments of ``_rebuild_tensor_v2`` / ``_v3``: it never imports or calls anything.
+A DCP data file is a sequence of records, one per item, each exactly what stock DCP
+writes: a ``torch.save`` of the tensor (an uncompressed zip archive whose ``data/0``
+entry holds the tensor bytes) or the item's raw bytes, either maybe passed through a DCP
+stream transform. Keeping both directions here keeps the writer and the parser agreeing
+on one format.
+
+Writing (``RecordSink``, ``write_tensor``, ``write_bytes``): because the bytes are
+stock's, stock ``FileSystemReader`` reads our files. While ``torch.save`` streams a record
+out we compute a CRC32C of every byte and note where the tensor bytes start:
+``torch.save`` hands the storage to ``write`` as one zero-copy buffer at the tensor's own
+address, so the index can send later reads straight there. (Empty tensors have no such
+write; for them the record's captured first and last few KiB go through the parser.)
+
+Reading (``parse_tensor_record``): knowing the entry's offset, dtype, shape and strides
+lets a reader copy exactly the bytes it needs straight into the destination tensor. The
+record's pickle is decoded by a tiny allowlist unpickler that only records the arguments
+of ``_rebuild_tensor_v2`` / ``_v3``: it never imports or calls anything.
 
 Besides the storage, offset, size and stride, a record may carry the conj and neg bits of
 a view (``torch.save`` writes the unresolved storage plus the bits); they are kept in the
@@ -22,12 +34,18 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import IO, cast
 
+import crc32c
+import numpy as np
 import torch
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.formats.index import StoredItem
 
 PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and pickle
+SMALL_WRITE = 64 << 10  # below this a write is gathered with its neighbours, not passed on
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
 
@@ -299,3 +317,160 @@ def check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -
     last = layout.storage_offset + sum((s - 1) * st for s, st in zip(layout.shape, layout.stride))
     if last >= storage_numel:
         raise CorruptCheckpointError(f"{where}: tensor view reaches past the end of its storage")
+
+
+class RecordSink:
+    """File wrapper handed to ``torch.save``: tracks position, checksum, head and tail.
+
+    ``torch.save`` hands over a record in about 40 writes, all but the tensor bytes a few
+    dozen bytes long (zip headers, the pickle); those are gathered and passed to the file
+    and the checksum as one piece, so a record costs a few calls instead of ~120.
+    """
+
+    def __init__(self, out: IO[bytes], checksums: bool) -> None:
+        self.out = out
+        self.checksums = checksums
+        self.position = 0
+        self._start = 0
+        self._crc = 0
+        self._head = bytearray()
+        self._tail = bytearray()
+        self._payload: tuple[int, int] = (0, -1)  # (address, nbytes) of the expected tensor bytes
+        self._pending = bytearray()  # small writes not yet passed on
+        self.payload_offset: int | None = None  # where they landed, relative to the record
+
+    def begin(self, payload: torch.Tensor | None = None) -> None:
+        """Start a record; ``payload`` is the tensor whose bytes to spot as they pass."""
+        self._start, self._crc = self.position, 0
+        self._head.clear()
+        self._tail.clear()
+        self._payload = (payload.data_ptr(), payload.nbytes) if payload is not None else (0, -1)
+        self.payload_offset = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Take one write of the record: note the payload if it is this one, gather or pass it on."""
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if n == self._payload[1] and self.payload_offset is None and _address(view) == self._payload[0]:
+            self.payload_offset = self.position - self._start
+        if n < SMALL_WRITE:
+            self._pending += view
+        else:
+            self._pass_on()
+            self._pass(view)
+        if self._payload[1] < 0:  # no payload to spot: keep the ends for the zip parser
+            if len(self._head) < PROBE_BYTES:
+                self._head += view[: PROBE_BYTES - len(self._head)]
+            self._tail += view[-PROBE_BYTES:]
+            del self._tail[:-PROBE_BYTES]
+        self.position += n
+        return n
+
+    @property
+    def record_start(self) -> int:
+        """Where the current record starts in the file."""
+        return self._start
+
+    @property
+    def record_length(self) -> int:
+        """Bytes of the current record written so far."""
+        return self.position - self._start
+
+    def _pass(self, data: memoryview | bytearray) -> None:
+        self.out.write(data)
+        if self.checksums:
+            self._crc = crc32c.crc32c(data, self._crc)
+
+    def _pass_on(self) -> None:
+        """Pass the gathered small writes on (the file copies them: the buffer is reused)."""
+        if self._pending:
+            self._pass(self._pending)
+            self._pending.clear()
+
+    def flush(self) -> None:
+        """Nothing: ``torch.save`` flushes after every record, which would cost a write
+        syscall per record; ``finish`` passes a record's last bytes on and the file is
+        flushed once, where it is closed."""
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Bytes of the current record, served from the captured head and tail."""
+        length = self.record_length
+        if offset + n <= len(self._head):
+            return bytes(self._head[offset : offset + n])
+        tail_start = length - len(self._tail)
+        if offset >= tail_start:
+            return bytes(self._tail[offset - tail_start : offset - tail_start + n])
+        raise AssertionError("record header not captured")  # zip headers always sit at the ends
+
+    def finish(self, relative_path: str, payload_offset: int, transforms: tuple[str, ...] = ()) -> StoredItem:
+        """The record is complete: pass its last bytes on and describe it."""
+        self._pass_on()
+        return StoredItem(
+            relative_path,
+            self._start,
+            self.record_length,
+            payload_offset,
+            self._crc if self.checksums else None,
+            transforms,
+        )
+
+
+def _address(view: memoryview) -> int:
+    """The address of a write's first byte, to tell the tensor's own storage when it passes."""
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its values in row-major order (what we store).
+
+    Conj/neg views are resolved: ``torch.save`` would write the unresolved storage plus a
+    bit that the index (which records only where the bytes are) does not carry.
+    """
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    ):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def write_tensor(
+    sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str, transform: StreamTransformExtension | None = None
+) -> StoredItem:
+    """Write ``tensor`` as a ``torch.save`` record, noting where its bytes start so reads can go straight there."""
+    tensor = dense_cpu(tensor)
+    if transform is not None:
+        return _write_transformed(sink, relative_path, transform, lambda stream: torch.save(tensor, stream))
+    sink.begin(tensor if tensor.nbytes else None)
+    torch.save(tensor, sink)
+    payload_offset = sink.payload_offset
+    if payload_offset is None:
+        payload_offset = parse_tensor_record(sink.record_length, sink.read_at, where).payload_offset
+    return sink.finish(relative_path, sink.record_start + payload_offset)
+
+
+def write_bytes(
+    sink: RecordSink, relative_path: str, data: io.BytesIO, transform: StreamTransformExtension | None = None
+) -> StoredItem:
+    """Write a bytes item as stock DCP does: its raw bytes, with no addressable payload."""
+    if transform is not None:
+        return _write_transformed(sink, relative_path, transform, lambda stream: stream.write(data.getbuffer()))
+    sink.begin()
+    sink.write(data.getbuffer())
+    return sink.finish(relative_path, -1)
+
+
+def _write_transformed(
+    sink: RecordSink, relative_path: str, transform: StreamTransformExtension, write: Callable[[IO[bytes]], object]
+) -> StoredItem:
+    """A record passed through a DCP stream transform (as stock ``_extensions`` do): the
+    checksum covers the stored (transformed) bytes; there is no addressable payload."""
+    sink.begin()
+    stream = transform.transform_to(cast(IO[bytes], sink))
+    write(stream)
+    stream.close()  # ends the compressed frame; the sink itself stays open
+    return sink.finish(relative_path, -1, (transform.get_descriptor(),))

@@ -18,9 +18,9 @@ import dataclasses
 import numpy as np
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.planning.dedup import refine_items
 from dcp_ext.planning.global_plan import RankAssignment
-from dcp_ext.planning.locality import copy_index
 from dcp_ext.planning.plan_table import PlanTable
 
 
@@ -40,7 +40,7 @@ def assigned_items(items: list[WriteItem], assignment: RankAssignment) -> list[W
         items = refine_items(items, assignment.cuts)
     written = [_with_hint(items[row], hint) for row, hint in zip(assignment.rows.tolist(), assignment.hints.tolist())]
     copies = [
-        dataclasses.replace(items[row], index=copy_index(items[row].index, tp))
+        dataclasses.replace(items[row], index=ReplicaCopyIndex.of(items[row].index, tp))
         for row, tp in zip(assignment.copy_rows.tolist(), assignment.copy_tp.tolist())
     ]
     return written + copies

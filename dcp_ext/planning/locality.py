@@ -8,30 +8,18 @@ the plain key: ``.metadata`` points at the canonical copy, so stock readers see 
 ordinary checkpoint; the extra copies are recorded only in our index, and ShardReader
 serves each rank from a copy in its own file when there is one.
 
-Copies travel through DCP under a marked key (``copy_index``) that never reaches the
-metadata; the writer maps them back with ``canonical_index``.
+Copies travel through DCP under a typed key, ``dcp_ext.formats.replica_copy.ReplicaCopyIndex``
+(the chunk's key plus the TP rank), that never reaches the metadata; the writer files them
+under the chunk's plain key in our index. This module finds the TP rank for them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
-
-COPY_MARK = "\x00tp_copy:"  # cannot appear in a real state-dict key
-
-
-def copy_index(index: MetadataIndex, tp_rank: int) -> MetadataIndex:
-    return MetadataIndex(f"{index.fqn}{COPY_MARK}{tp_rank}", index.offset)
-
-
-def canonical_index(index: MetadataIndex) -> MetadataIndex | None:
-    """The item a copy duplicates, or None when ``index`` is not a copy."""
-    fqn, mark, _ = index.fqn.partition(COPY_MARK)
-    return MetadataIndex(fqn, index.offset) if mark else None
 
 
 def tp_coordinate(state_dict: dict[str, Any], dim_name: str) -> int:

@@ -16,13 +16,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 
 from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
+from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.planning.dedup import chunk_view
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
 from dcp_ext.planning.load_plan import local_read_items
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
-from dcp_ext.planning.locality import canonical_index, tp_coordinate
+from dcp_ext.planning.locality import tp_coordinate
 from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
 from dcp_ext.planning.plan_cache import (
     cached_plan,
@@ -177,9 +178,8 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        original = canonical_index(write_item.index)
-        if original is not None:  # a TP-replica copy: the same data as the canonical item
-            write_item = dataclasses.replace(write_item, index=original)
+        if isinstance(write_item.index, ReplicaCopyIndex):  # a TP-replica copy: the same data as the canonical item
+            write_item = dataclasses.replace(write_item, index=write_item.index.canonical)
         if write_item.type == WriteItemType.SHARD:  # possibly a refined sub-chunk
             return chunk_view(self.state_dict[write_item.index.fqn], write_item)
         return super().resolve_data(write_item)

@@ -22,14 +22,13 @@ from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.formats.index import StoredItem, encode_index
-from dcp_ext.formats.torch_record import numel
+from dcp_ext.formats.replica_copy import ReplicaCopyIndex
+from dcp_ext.formats.torch_record import RecordSink, numel, write_bytes, write_tensor
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
-from dcp_ext.planning.locality import canonical_index
 from dcp_ext.storage.catalog import METADATA_NAME
 from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreferenced
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.records import RecordSink, write_bytes, write_tensor
 from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
 from dcp_ext.storage.staging import AsyncStagingMixin
 from dcp_ext.storage.writeback import early_writeback
@@ -258,11 +257,10 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         copies: dict[MetadataIndex, list[StoredItem]] = {}  # TP-replica copies: index only
         for rank_results in results:
             for wr in rank_results:
-                original = canonical_index(wr.index)
-                if original is None:
-                    stored[wr.index] = wr.storage_data
+                if isinstance(wr.index, ReplicaCopyIndex):
+                    copies.setdefault(wr.index.canonical, []).append(wr.storage_data)
                 else:
-                    copies.setdefault(original, []).append(wr.storage_data)
+                    stored[wr.index] = wr.storage_data
         metadata.version = DCP_METADATA_VERSION
         metadata.storage_data = {index: item.storage_info() for index, item in stored.items()}
         metadata.storage_meta = self.storage_meta()

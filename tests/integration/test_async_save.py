@@ -1,0 +1,497 @@
+"""Async saves through ShardWriter/ShardSavePlanner (``writer.async_save``, which calls
+``dcp.async_save`` with the writer as its stager and keeps the future DCP returns).
+
+* the values saved are the ones staged when ``async_save`` returned: the
+  source tensors (and a nested list object) are overwritten right after it
+  returns, and the checkpoint must still hold the old values;
+* two async saves back to back into the same directory: the second wins,
+  and a reader opened after it sees the second checkpoint (not metadata
+  cached from loading the first);
+* with DCP's thread and process executors, 2 gloo ranks, one ShardWriter
+  reused for every save (``dcp_ext.storage.staging``):
+  - staging memory is reused: same buffers (data pointers) and one
+    allocation over 6 saves, no RSS growth; a changed structure re-stages
+    into new buffers and round-trips (DTensors, plain tensors, objects; and
+    ShardedTensors, thread executor);
+  - overlapping saves: a save started while the previous one still writes
+    waits for it, and both checkpoints hold exactly their own values; so
+    does a plain ``dcp.save`` through the writer after an ``async_save``;
+  - a training loop that never waits on its futures: every step's
+    checkpoint holds that step's values, through one set of buffers;
+  - a background failure (a planner raising mid-write; ``overwrite=False``
+    refusing) is raised at ``.result()`` and again, as CheckpointError, at
+    the next save through the writer; the previous checkpoint still loads
+    bit-exact and the next good save cleans up the failed save's files;
+* DCP's deprecated ``synchronize_staging`` hook is never called;
+* ``dcp.async_save(storage_writer=writer)`` called directly is refused while
+  ``reuse_staging=True`` (the writer would not know when its copy is free) and
+  stages into new memory with ``reuse_staging=False``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import warnings
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as STShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from dcp_ext import CheckpointError, InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.formats.data_files import is_data_file
+
+from mp import run_job
+from support import (
+    assert_state_dict_equal,
+    distributed_state,
+    garbage_like,
+    load,
+    make_globals,
+    rss_bytes,
+    sample_state,
+    save,
+)
+
+SPECS = {
+    "w": ((9, 8), torch.float32, Shard(0)),  # uneven over 2 ranks
+    "b": ((4, 6), torch.bfloat16, Shard(1)),
+    "r": ((5,), torch.float16, Replicate()),
+    "i": ((7,), torch.int64, Shard(0)),
+}
+
+
+GLOBAL_SPECS = {**SPECS, "plain": ((3, 4), torch.float32), "only_b": ((6,), torch.float32)}
+
+
+def build(mesh, seed: int, *, destination: bool, with_only_b: bool = False):
+    names = [*SPECS, "plain"] + (["only_b"] if with_only_b else [])
+    glob = {name: tensor for name, tensor in make_globals(GLOBAL_SPECS, seed).items() if name in names}
+    placements = {name: placement for name, (_, _, placement) in SPECS.items()}
+    sd, exp = distributed_state(glob, mesh, placements, destination=destination)
+    sd["objects"] = {"seed": -1, "history": []} if destination else {"seed": seed, "history": [seed, "x"]}
+    exp["objects"] = {"seed": seed, "history": [seed, "x"]}
+    return sd, exp
+
+
+# 4 x 2 MiB of float32 per rank: a staging copy leaked per save (8 MiB) stands out in RSS against
+# the allocator's per-thread caches, which grow by at most a record (2 MiB) at a time
+BIG = [f"big.{n}" for n in range(4)]
+BIG_NUMEL = 1 << 19
+BIG_BYTES = len(BIG) * BIG_NUMEL * 4
+EXECUTORS = [AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS]
+
+
+def big_state(mesh, seed: int, *, destination: bool, with_only_b: bool = False):
+    """``build`` plus the plain tensors ``BIG``."""
+    sd, exp = build(mesh, seed, destination=destination, with_only_b=with_only_b)
+    g = torch.Generator().manual_seed(seed)
+    for name in BIG:
+        exp[name] = torch.randn(BIG_NUMEL, generator=g)
+        sd[name] = garbage_like(exp[name]) if destination else exp[name].clone()
+    return sd, exp
+
+
+def _start(
+    sd: dict,
+    writer: ShardWriter,
+    *,
+    checkpoint_id: str | None = None,
+    planner: ShardSavePlanner | None = None,
+    executor: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+) -> Future:
+    """Start an async save through ``writer``; staging is complete when this returns."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*synchronize_staging.*")  # the deprecated hook
+        fut = writer.async_save(
+            sd,
+            checkpoint_id=checkpoint_id,
+            planner=planner or ShardSavePlanner(),
+            async_checkpointer_type=executor,
+        )
+    assert isinstance(fut, Future), type(fut)  # ShardWriter stages synchronously: a plain future
+    return fut
+
+
+def _async_save(sd: dict, path: str) -> Future:
+    return _start(sd, ShardWriter(path))
+
+
+def _clobber(sd: dict) -> None:
+    """Overwrite every source value in place, and check the overwrite took."""
+    with torch.no_grad():
+        for name, value in sd.items():
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                before = local.clone()
+                local.copy_(garbage_like(local))
+                after = sd[name].to_local()
+                assert local.numel() == 0 or not torch.equal(after, before), f"{name}: mutation did not take"
+            elif isinstance(value, torch.Tensor):
+                value.copy_(garbage_like(value))
+    sd["objects"]["history"].append("mutated-after-async_save")
+    sd["objects"]["seed"] = -99
+
+
+def _load(path: str, mesh, seed: int, where: str, with_only_b: bool = False, builder=build) -> None:
+    dest, expected = builder(mesh, seed, destination=True, with_only_b=with_only_b)
+    reader = ShardReader(path)
+    dcp.load(dest, storage_reader=reader, planner=ShardLoadPlanner())
+    assert_state_dict_equal(dest, expected, where)
+    assert reader.stats.items_read > 0 and reader.stats.bytes_read > 0, reader.stats
+
+
+def async_job(rank: int, world: int, base: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"world {world} rank {rank}"
+
+    # 1. Values are the staged ones.
+    path = os.path.join(base, "staged")
+    sd, _ = build(mesh, 1, destination=False)
+    fut = _async_save(sd, path)
+    _clobber(sd)  # source changes while the upload may still be running
+    md = fut.result(timeout=60)
+    assert isinstance(md, Metadata), type(md)
+    assert set(SPECS) | {"plain"} <= set(md.state_dict_metadata), sorted(md.state_dict_metadata)
+    dist.barrier()
+    _load(path, mesh, 1, f"{where} staged values")
+
+    # 2. Two async saves back to back into one directory: the second wins.
+    path = os.path.join(base, "twice")
+    first, _ = build(mesh, 2, destination=False)
+    _async_save(first, path).result(timeout=60)
+    dist.barrier()
+    _load(path, mesh, 2, f"{where} after first save")  # also warms any metadata cache
+    second, _ = build(mesh, 3, destination=False, with_only_b=True)
+    fut = _async_save(second, path)
+    _clobber(second)
+    fut.result(timeout=60)
+    dist.barrier()
+    _load(path, mesh, 3, f"{where} after second save", with_only_b=True)
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("world", [1, 2])
+def test_async_saves_store_the_staged_values_and_the_last_save_wins(tmp_path, world):
+    run_job(async_job, world, str(tmp_path))
+
+
+# -- one ShardWriter reused for every save ----------------------------------------------------
+
+
+class FailingPlanner(ShardSavePlanner):
+    """Raises in the background while ``fail_rank`` writes key ``w``: an injected failure
+    after the save is planned and its files are opened, before anything is committed."""
+
+    def __init__(self, fail_rank: int):
+        super().__init__()
+        self.fail_rank = fail_rank
+
+    def resolve_data(self, write_item: WriteItem):
+        if dist.get_rank() == self.fail_rank and write_item.index.fqn == "w":
+            raise RuntimeError(f"injected failure writing {write_item.index.fqn!r}")
+        return super().resolve_data(write_item)
+
+
+class SlowPlanner(ShardSavePlanner):
+    """Holds the background write of ``BIG[0]`` for ``delay`` seconds, so a save started
+    meanwhile overlaps it."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay = delay
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.index.fqn == BIG[0]:
+            time.sleep(self.delay)
+        return super().resolve_data(write_item)
+
+
+def _refill(sd: dict, mesh, seed: int) -> None:
+    """Give ``sd`` the values of ``big_state(mesh, seed)`` in place: the test itself allocates
+    no new memory between saves, so RSS measures the staging."""
+    fresh, _ = build(mesh, seed, destination=False)
+    with torch.no_grad():
+        for name, value in fresh.items():
+            if isinstance(value, DTensor):
+                sd[name].to_local().copy_(value.to_local())
+            elif isinstance(value, torch.Tensor):
+                sd[name].copy_(value)
+            else:
+                sd[name] = value
+        g = torch.Generator().manual_seed(seed)
+        for name in BIG:
+            torch.randn(BIG_NUMEL, generator=g, out=sd[name])
+
+
+def reuse_job(rank: int, world: int, base: str, executor: AsyncCheckpointerType) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"{executor.value} rank {rank}"
+    writer = ShardWriter(os.path.join(base, "default"))
+    ptrs, rss = [], []
+    sd, _ = big_state(mesh, 1, destination=False)
+    for seed in range(1, 7):
+        _refill(sd, mesh, seed)
+        fut = _start(sd, writer, checkpoint_id=os.path.join(base, f"s{seed}"), executor=executor)
+        _clobber(sd)
+        fut.result(timeout=60)
+        ptrs.append(writer.staging.data_ptrs())
+        rss.append(rss_bytes())
+    assert writer.staging.allocations == 1, (where, writer.staging.allocations)
+    assert BIG_BYTES < writer.staging.nbytes < BIG_BYTES + 4096, (where, writer.staging.nbytes)
+    assert all(p == ptrs[0] for p in ptrs), (where, ptrs)  # (process: moved to shared memory in save 1)
+    assert rss[-1] - rss[1] < BIG_BYTES, (where, rss)  # a staging copy per save would add 4 x BIG_BYTES
+    dist.barrier()
+    for seed in range(1, 7):
+        _load(os.path.join(base, f"s{seed}"), mesh, seed, f"{where} save {seed}", builder=big_state)
+
+    # a changed structure re-stages into new buffers; the old ones are dropped, not kept
+    nbytes = writer.staging.nbytes
+    changed, _ = big_state(mesh, 7, destination=False, with_only_b=True)
+    _start(changed, writer, checkpoint_id=os.path.join(base, "s7"), executor=executor).result(timeout=60)
+    assert writer.staging.allocations == 2, (where, writer.staging.allocations)
+    assert writer.staging.nbytes == nbytes + changed["only_b"].nbytes, (where, writer.staging.nbytes)
+    dist.barrier()
+    _load(os.path.join(base, "s7"), mesh, 7, f"{where} changed structure", with_only_b=True, builder=big_state)
+
+
+def overlap_job(rank: int, world: int, base: str, executor: AsyncCheckpointerType) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"{executor.value} rank {rank}"
+    writer = ShardWriter(os.path.join(base, "default"))
+    first, _ = big_state(mesh, 1, destination=False)
+    second, _ = big_state(mesh, 2, destination=False)
+    slow = SlowPlanner(delay=1.0)
+    fut1 = _start(first, writer, checkpoint_id=os.path.join(base, "one"), planner=slow, executor=executor)
+    _clobber(first)
+    assert not fut1.done(), where  # the first save is still writing
+    fut2 = _start(second, writer, checkpoint_id=os.path.join(base, "two"), executor=executor)
+    assert fut1.done(), where  # the second waited for it before staging into the same buffers
+    _clobber(second)
+    fut1.result(timeout=60)
+    fut2.result(timeout=60)
+    assert writer.staging.allocations == 1, where
+    # a plain dcp.save through the writer while an async save runs waits for it too
+    third, _ = big_state(mesh, 3, destination=False)
+    fourth, _ = big_state(mesh, 4, destination=False)
+    fut3 = _start(third, writer, checkpoint_id=os.path.join(base, "three"), planner=SlowPlanner(delay=1.0), executor=executor)
+    assert not fut3.done(), where
+    dcp.save(fourth, storage_writer=writer, checkpoint_id=os.path.join(base, "four"), planner=ShardSavePlanner())
+    assert fut3.done(), where
+    fut3.result(timeout=60)
+    dist.barrier()
+    for n, name in enumerate(["one", "two", "three", "four"], start=1):
+        _load(os.path.join(base, name), mesh, n, f"{where} {name} of overlapping saves", builder=big_state)
+
+
+def training_loop_job(rank: int, world: int, base: str, executor: AsyncCheckpointerType) -> None:
+    """Five steps, each saving without waiting for the previous save (the writer waits before it
+    stages into the same buffers) and changing the tensors right after: no stale values."""
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"{executor.value} rank {rank}"
+    writer = ShardWriter(os.path.join(base, "default"))
+    sd, _ = big_state(mesh, 1, destination=False)
+    futures, ptrs = [], []
+    for step in range(1, 6):
+        _refill(sd, mesh, step)  # the step's update, in place
+        fut = _start(sd, writer, checkpoint_id=os.path.join(base, f"step{step}"), planner=SlowPlanner(delay=0.3),
+                     executor=executor)
+        assert all(f.done() for f in futures), where  # the previous save finished before this one staged
+        _clobber(sd)  # training goes on while the save writes
+        futures.append(fut)
+        ptrs.append(writer.staging.data_ptrs())
+    for fut in futures:
+        fut.result(timeout=60)
+    # (process: torch moves the buffers into shared memory while it sends save 1, so from save 2 on)
+    assert writer.staging.allocations == 1 and all(p == ptrs[1] for p in ptrs[1:]), (where, ptrs)
+    writer.close()
+    assert writer.staging.nbytes == 0, where
+    dist.barrier()
+    for step in range(1, 6):
+        _load(os.path.join(base, f"step{step}"), mesh, step, f"{where} step {step}", builder=big_state)
+
+
+def _raises_previous_failure(sd: dict, writer: ShardWriter, path: str, executor: AsyncCheckpointerType, cause: str):
+    """The next save through ``writer`` raises the earlier background failure, naming ``path``."""
+    with pytest.raises(CheckpointError, match="failed in the background") as info:
+        _start(sd, writer, executor=executor)
+    assert path in str(info.value), str(info.value)
+    assert isinstance(info.value.__cause__, CheckpointException), repr(info.value.__cause__)
+    assert cause in str(info.value.__cause__), str(info.value.__cause__)
+
+
+def failure_job(rank: int, world: int, base: str, executor: AsyncCheckpointerType) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"{executor.value} rank {rank}"
+    path = os.path.join(base, "ckpt")
+    writer = ShardWriter(path)
+    sd, _ = build(mesh, 1, destination=False)
+    _start(sd, writer, executor=executor).result(timeout=60)
+
+    # 1. a planner raising mid-write on the last rank: raised at .result() on every rank ...
+    sd, _ = build(mesh, 2, destination=False)
+    fut = _start(sd, writer, planner=FailingPlanner(fail_rank=world - 1), executor=executor)
+    with pytest.raises(CheckpointException, match="injected failure"):
+        fut.result(timeout=60)
+    dist.barrier()
+    _load(path, mesh, 1, f"{where} previous checkpoint after a failed async save")
+    # ... and again at the next save through the writer, which then starts nothing
+    _raises_previous_failure(sd, writer, path, executor, "injected failure")
+
+    # 2. a failure nobody asked .result() for: overwrite=False refusing the directory
+    refusing = ShardWriter(path, overwrite=False)
+    _start(sd, refusing, executor=executor)
+    _raises_previous_failure(sd, refusing, path, executor, "Checkpoint already exists")
+    dist.barrier()
+    _load(path, mesh, 1, f"{where} previous checkpoint after a refused async save")
+
+    # 3. the writer saves again; the failed save's half-written files are gone
+    sd, _ = build(mesh, 3, destination=False)
+    _start(sd, writer, executor=executor).result(timeout=60)
+    dist.barrier()
+    _load(path, mesh, 3, f"{where} after recovering")
+    reader = ShardReader(path, cache_metadata=False)
+    reader.read_metadata()
+    on_disk = {name for name in os.listdir(path) if is_data_file(name)}
+    assert on_disk == {item.relative_path for item in reader.catalog.items.values()}, (where, on_disk)
+
+
+def _sharded_tensor(rank: int, world: int, value: float) -> ShardedTensor:
+    """A (2 * world, 3) ShardedTensor: two rows per rank, all ``value``."""
+    meta = ShardMetadata(shard_offsets=[2 * rank, 0], shard_sizes=[2, 3], placement=f"rank:{rank}/cpu")
+    return init_from_local_shards([STShard(torch.full((2, 3), value), meta)], [2 * world, 3])
+
+
+def sharded_tensor_job(rank: int, world: int, base: str) -> None:
+    writer = ShardWriter(base)
+    ptrs = []
+    for value in (1.0, 2.0, 3.0):
+        sd = {"st": _sharded_tensor(rank, world, value)}
+        fut = _start(sd, writer)
+        sd["st"].local_shards()[0].tensor.fill_(-1.0)
+        fut.result(timeout=60)
+        ptrs.append(writer.staging.data_ptrs())
+    assert writer.staging.allocations == 1 and ptrs[0] == ptrs[1] == ptrs[2], ptrs
+    dest = {"st": _sharded_tensor(rank, world, 0.0)}
+    dist.barrier()
+    dcp.load(dest, storage_reader=ShardReader(base), planner=ShardLoadPlanner())
+    assert_state_dict_equal(dest["st"].local_shards()[0].tensor, torch.full((2, 3), 3.0), f"rank {rank} st")
+
+
+@pytest.mark.mp
+def test_sharded_tensor_staging_is_reused(tmp_path):
+    run_job(sharded_tensor_job, 2, str(tmp_path))
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("executor", EXECUTORS, ids=lambda e: e.value)
+@pytest.mark.parametrize(
+    "job", [reuse_job, overlap_job, training_loop_job, failure_job], ids=["reuse", "overlap", "training-loop", "failure"]
+)
+def test_async_save_through_one_writer(tmp_path, job, executor):
+    run_job(job, 2, str(tmp_path), executor)
+
+
+def explicit_stager_job(rank: int, world: int, base: str, async_staging: bool) -> None:
+    """Three overlapping async saves through one writer with DCP's own stager: each lands in
+    its own directory with its own values (the writer, not its stager role, serializes)."""
+    mesh = init_device_mesh("cpu", (world,))
+    where = f"rank {rank} async_staging={async_staging}"
+    writer = ShardWriter(os.path.join(base, "default"))
+    stager = DefaultStager(StagingOptions(False, False, async_staging, False))
+    uploads = []
+    for seed in (1, 2, 3):
+        sd, _ = big_state(mesh, seed, destination=False)
+        planner = SlowPlanner(delay=1.0) if seed == 1 else ShardSavePlanner()  # the others start meanwhile
+        response = dcp.async_save(sd, storage_writer=writer, planner=planner, async_stager=stager,
+                                  checkpoint_id=os.path.join(base, f"s{seed}"))
+        if isinstance(response, AsyncSaveResponse):
+            response.staging_completion.result(timeout=60)
+            response = response.upload_completion
+        _clobber(sd)
+        uploads.append(response)
+    assert not uploads[0].done(), where  # they did overlap
+    for upload in uploads:
+        upload.result(timeout=60)
+    stager.close()
+    dist.barrier()
+    for seed in (1, 2, 3):
+        _load(os.path.join(base, f"s{seed}"), mesh, seed, f"{where} save {seed}", builder=big_state)
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("world, async_staging", [(1, False), (2, False), (2, True)], ids=["1-sync", "2-sync", "2-async"])
+def test_explicit_stager_saves_one_at_a_time(tmp_path, world, async_staging):
+    run_job(explicit_stager_job, world, str(tmp_path), async_staging, timeout=90)
+
+
+# -- without a process group ------------------------------------------------------------------
+
+
+def test_writer_is_its_own_stager_and_pickles_without_buffers(tmp_path):
+    writer = ShardWriter(tmp_path)
+    assert isinstance(writer, AsyncStager) and not writer.should_synchronize_after_execute
+    _start(sample_state(1), writer).result(timeout=60)
+    copy = pickle.loads(pickle.dumps(writer))  # what the process executor sends
+    assert writer.staging.nbytes > 0 and copy.staging.nbytes == 0 and copy.staging.reuse
+    assert copy.location.url == writer.location.url
+    assert not pickle.loads(pickle.dumps(ShardWriter(tmp_path, reuse_staging=False))).staging.reuse
+
+
+def test_direct_dcp_async_save_is_refused_with_reuse_staging_true(tmp_path):
+    """dcp.async_save keeps its future from the writer, which then cannot know when a reused
+    copy is free: reuse_staging=True refuses it before anything is staged or written."""
+    writer = ShardWriter(tmp_path, reuse_staging=True)
+    with pytest.raises(InvalidRequestError, match=r"reuse_staging=True.*writer\.async_save"):
+        dcp.async_save(sample_state(1), storage_writer=writer, planner=ShardSavePlanner())
+    with pytest.raises(InvalidRequestError, match="reuse_staging=True"):
+        writer.stage(sample_state(1))
+    assert writer.staging.allocations == 0 and os.listdir(tmp_path) == []
+    with pytest.raises(InvalidRequestError, match="reuse_staging must be None, True or False, got 1"):
+        ShardWriter(tmp_path, reuse_staging=1)
+
+
+@pytest.mark.parametrize(
+    "reuse_staging, start",
+    [(False, "writer.async_save"), (False, "dcp.async_save"), (None, "dcp.async_save")],
+    ids=["off-writer", "off-direct", "default-direct"],
+)
+def test_saves_the_writer_cannot_track_keep_no_memory(tmp_path, reuse_staging, start):
+    """Each save is staged into new memory the writer does not hold; values are the staged ones."""
+    writer = ShardWriter(tmp_path, reuse_staging=reuse_staging)
+    for seed in (1, 2):
+        state = sample_state(seed)
+        if start == "writer.async_save":
+            fut = _start(state, writer)
+        else:
+            fut = dcp.async_save(state, storage_writer=writer, planner=ShardSavePlanner())
+            assert isinstance(fut, Future), type(fut)
+        state["w"].copy_(torch.full_like(state["w"], float("nan")))
+        fut.result(timeout=60)
+        assert_state_dict_equal(load(sample_state(seed), tmp_path)[0], sample_state(seed))
+    assert writer.staging.allocations == 2 and writer.staging.nbytes == 0
+    writer.close()
+
+
+def test_close_waits_and_raises_an_unreported_failure(tmp_path):
+    save(sample_state(1), tmp_path)
+    writer = ShardWriter(tmp_path, overwrite=False)
+    _start(sample_state(2), writer)
+    with pytest.raises(CheckpointError, match="failed in the background"):
+        writer.close()
+    assert writer.staging.nbytes == 0
+    writer.close()  # reported once
+    assert_state_dict_equal(load(sample_state(1), tmp_path)[0], sample_state(1))

@@ -1,0 +1,230 @@
+"""The process-wide metadata cache: one read per checkpoint version, never stale."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+from dcp_ext import ShardReader, clear_metadata_cache
+from dcp_ext.formats.data_files import is_data_file
+from dcp_ext.storage.catalog import METADATA_CACHE
+
+from support import assert_state_dict_equal, load, load_error, sample_state, save
+
+
+def test_many_readers_read_the_metadata_once(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    readers = [load(state, tmp_path)[1] for _ in range(5)]
+    assert [r.stats.metadata_reads for r in readers] == [1, 0, 0, 0, 0]
+    assert all(r.catalog is readers[0].catalog for r in readers)
+
+
+def test_concurrent_readers_share_one_read(tmp_path):
+    save(sample_state(), tmp_path)
+    readers = [ShardReader(tmp_path) for _ in range(8)]
+    threads = [threading.Thread(target=r.read_metadata) for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r.stats.metadata_reads for r in readers) == 1
+
+
+def test_checkpoint_rewritten_in_place_is_reread(tmp_path):
+    first, second = sample_state(1), sample_state(2)
+    second["extra"] = torch.arange(5)
+    save(first, tmp_path)
+    got, reader = load(first, tmp_path)
+    assert_state_dict_equal(got, first)
+    save(second, tmp_path)
+    got, reader = load(second, tmp_path)
+    assert reader.stats.metadata_reads == 1
+    assert_state_dict_equal(got, second)
+
+
+def test_cache_disabled_bypasses_the_cache_entirely(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    readers = [load(state, tmp_path, cache_metadata=False)[1] for _ in range(3)]
+    assert [r.stats.metadata_reads for r in readers] == [1, 1, 1]
+    assert not len(METADATA_CACHE._catalogs)
+
+
+def test_clear_metadata_cache_forces_a_new_read(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    load(state, tmp_path)
+    clear_metadata_cache()
+    assert load(state, tmp_path)[1].stats.metadata_reads == 1
+
+
+def test_cache_is_bounded(tmp_path):
+    for n in range(METADATA_CACHE._catalogs.capacity + 3):
+        save({"t": torch.tensor([n])}, tmp_path / str(n))
+        ShardReader(tmp_path / str(n)).read_metadata()
+    assert len(METADATA_CACHE._catalogs) == METADATA_CACHE._catalogs.capacity
+
+
+def test_stock_checkpoint_metadata_is_cached_too(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = sample_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path))
+    reads = [load(state, tmp_path)[1].stats.metadata_reads for _ in range(3)]
+    assert reads == [1, 0, 0]
+
+
+def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
+    import pytest
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_ext import CheckpointExistsError
+
+    state = sample_state()
+    save(state, tmp_path, overwrite=False)  # empty directory: fine
+    with pytest.raises(CheckpointException) as info:
+        save(sample_state(5), tmp_path, overwrite=False)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, CheckpointExistsError) and str(tmp_path) in str(error)
+    assert "Checkpoint already exists" in str(error)  # stock's phrase: code matching it keeps working
+    assert_state_dict_equal(load(state, tmp_path)[0], state)  # the existing checkpoint is untouched
+
+
+def test_index_loaded_metadata_equals_the_pickle(tmp_path):
+    """The index builds storage_data on first use; read, iterated or pickled it is the
+    plain dict stock DCP unpickles, and the tensor entries match chunk for chunk."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_ext.formats.index import StorageDataView
+
+    save(sample_state(), tmp_path)
+    ours = ShardReader(tmp_path, cache_metadata=False).read_metadata()
+    stock = dcp.FileSystemReader(tmp_path).read_metadata()
+    assert isinstance(ours.storage_data, StorageDataView)  # loaded from the index, not the pickle
+    assert len(ours.storage_data) == len(stock.storage_data)
+    assert all(index in ours.storage_data for index in stock.storage_data)
+    assert dict(ours.storage_data.items()) == stock.storage_data
+    copied = pickle.loads(pickle.dumps(ours))
+    assert type(copied.storage_data) is dict and copied.storage_data == stock.storage_data
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+
+
+def test_gc_pause_nests_and_restores_the_collector():
+    import gc
+
+    from dcp_ext.runtime.gc_pause import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()
+
+
+def test_load_id_matches_the_metadata_storage_meta(tmp_path):
+    """As stock readers: ``read_metadata().storage_meta.load_id == reader.load_id``, new per reset."""
+    save(sample_state(), tmp_path)
+    reader = ShardReader(tmp_path)
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+    first = reader.load_id
+    reader.reset(tmp_path)
+    assert reader.load_id != first and reader.read_metadata().storage_meta.load_id == reader.load_id
+
+
+# -- rewritten in place behind the cache's back ------------------------------------------------
+
+STAT_NAMES = (".metadata", ".dcp_ext_index.parquet", ".dcp_ext_commit")
+
+
+def _stats(path) -> dict[str, tuple[int, int, int]]:
+    """Size, mtime and inode of the files the cache fingerprints."""
+    return {n: (s.st_size, s.st_mtime_ns, s.st_ino) for n in STAT_NAMES for s in [os.stat(os.path.join(path, n))]}
+
+
+def _save_same_sizes(state: dict, path, like: dict[str, tuple[int, int, int]], tries: int = 50) -> None:
+    """Save ``state`` into ``path`` until its metadata files have the sizes in ``like`` (the
+    CRCs in the marker and index vary in length from save to save)."""
+    for _ in range(tries):
+        save(state, path)
+        if all(_stats(path)[n][0] == like[n][0] for n in STAT_NAMES):
+            return
+        shutil.rmtree(path)
+    pytest.skip(f"no save of the same metadata sizes in {tries} tries")
+
+
+def _copy_over_in_place(source, target, restore: dict[str, tuple[int, int, int]]) -> None:
+    """What ``rsync --inplace -t`` or untarring over a directory does: the metadata files are
+    rewritten into the same inodes and get their old mtimes back; data files are replaced."""
+    for name in os.listdir(target):
+        if is_data_file(name):
+            os.remove(os.path.join(target, name))
+    for name in os.listdir(source):
+        if is_data_file(name):
+            shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+    for name in STAT_NAMES:
+        with open(os.path.join(source, name), "rb") as src, open(os.path.join(target, name), "r+b") as dst:
+            dst.truncate(0)
+            dst.write(src.read())
+        os.utime(os.path.join(target, name), ns=(restore[name][1], restore[name][1]))
+
+
+def test_rewrite_that_keeps_size_mtime_and_inode_is_reread(tmp_path):
+    ckpt, other = tmp_path / "ckpt_a", tmp_path / "ckpt_b"  # equal lengths: equal .metadata sizes
+    first, second = sample_state(1), sample_state(2)
+    for _ in range(2):  # the second save reuses the cached plan, as every save of ``second`` will
+        save(first, ckpt)  # (a reused plan pickles to a .metadata of another size)
+    assert_state_dict_equal(load(first, ckpt)[0], first)  # cached
+    before = _stats(ckpt)
+    _save_same_sizes(second, other, before)
+    _copy_over_in_place(other, ckpt, before)
+    assert _stats(ckpt) == before  # nothing the old signature looked at changed
+    got, reader = load(second, ckpt)
+    assert reader.stats.metadata_reads == 1
+    assert_state_dict_equal(got, second)
+
+
+def test_a_load_that_finds_a_data_file_missing_drops_the_cached_metadata(tmp_path):
+    state = sample_state(1)
+    save(state, tmp_path)
+    load(state, tmp_path)  # cached
+    name = sorted(n for n in os.listdir(tmp_path) if is_data_file(n))[0]
+    os.rename(tmp_path / name, tmp_path / "aside")
+    assert "data file is missing" in str(load_error(state, tmp_path))
+    os.rename(tmp_path / "aside", tmp_path / name)  # e.g. a slow network filesystem caught up
+    got, reader = load(state, tmp_path)
+    assert reader.stats.metadata_reads == 1  # read again, not trusted from the cache
+    assert_state_dict_equal(got, state)
+
+
+def test_clear_caches_empties_every_cache(tmp_path):
+    """One call forgets parsed metadata (every format's) and global save plans."""
+    from dcp_ext import clear_caches
+    from dcp_ext.planning import plan_cache
+    from dcp_ext.storage.catalog import METADATA_CACHE
+
+    from megatron_fixtures import write_zarr
+
+    save(sample_state(), tmp_path / "dcp")
+    (tmp_path / "zarr").mkdir()
+    want = write_zarr(str(tmp_path / "zarr"))
+    load(sample_state(), tmp_path / "dcp")
+    ShardReader(tmp_path / "zarr").read_metadata()
+    assert len(METADATA_CACHE._catalogs) == 2 and len(plan_cache._plans) == 1
+    clear_caches()
+    assert len(METADATA_CACHE._catalogs) == len(plan_cache._plans) == 0
+    assert want  # the zarr checkpoint was real

@@ -1,0 +1,152 @@
+"""The dcp-ext command line: inspect, verify and the demo job, run as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_ext.formats.index import INDEX_NAME
+
+from support import assert_state_dict_equal, load, sample_state, save
+
+
+def dcp_ext_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dcp_ext.cli.main", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.mp
+def test_inspect_lists_every_key(tmp_path):
+    save(sample_state(), tmp_path)
+    result = dcp_ext_cli("inspect", "--json", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    keys = {k["key"]: k for k in info["keys"]}
+    assert set(keys) == {"w", "b", "ids", "nested.h", "nested.step", "name"}
+    assert keys["w"]["shape"] == [64, 48] and keys["w"]["dtype"] == "float32" and keys["b"]["dtype"] == "bfloat16"
+    assert info["index"] is True
+    table = dcp_ext_cli("inspect", str(tmp_path))
+    assert table.returncode == 0 and "nested.h" in table.stdout and "float16" in table.stdout
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_verify_passes_a_good_checkpoint(tmp_path, writer):
+    if writer == "ours":
+        save(sample_state(), tmp_path)
+    else:
+        dcp.save(sample_state(), storage_writer=dcp.FileSystemWriter(tmp_path))
+    result = dcp_ext_cli("verify", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("OK:")
+
+
+@pytest.mark.mp
+def test_verify_reports_each_fault_with_file_and_key(tmp_path):
+    save({"a": torch.arange(1000.0), "b": torch.ones(300)}, tmp_path, thread_count=1)
+    data_file = next(p for p in tmp_path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    result = dcp_ext_cli("verify", str(tmp_path))
+    assert result.returncode == 1
+    faults = [line for line in result.stdout.splitlines() if line.startswith("FAULT")]
+    assert len(faults) == 1 and data_file.name in faults[0] and "mismatch" in faults[0]
+    data_file.unlink()
+    result = dcp_ext_cli("verify", "--json", str(tmp_path))
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and not report["ok"]
+    assert any(data_file.name in f and "missing" in f for f in report["faults"])
+
+
+@pytest.mark.mp
+def test_verify_reports_overlapping_and_missing_chunks(tmp_path):
+    save({"t": torch.arange(12.0).reshape(4, 3)}, tmp_path)
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    metadata.state_dict_metadata["t"].size = torch.Size([5, 3])  # one row no chunk covers
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    os.unlink(tmp_path / INDEX_NAME)
+    result = dcp_ext_cli("verify", str(tmp_path))
+    assert result.returncode == 1 and "t: chunks cover 12 elements of 15" in result.stdout
+
+
+@pytest.mark.mp
+def test_verify_of_a_directory_without_checkpoint_fails(tmp_path):
+    result = dcp_ext_cli("verify", str(tmp_path))
+    assert result.returncode == 1 and ".metadata is missing" in result.stdout
+
+
+@pytest.mark.mp
+@pytest.mark.slow
+def test_demo_job_round_trips_bit_exact(tmp_path):
+    result = dcp_ext_cli("demo", "--json", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["mismatches"] == [] and report["tensors_checked"] > 100
+    assert report["save_world"] == 4 and report["load_world"] == 2
+
+
+def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, what the one error line must say), on real paths made here."""
+    ckpt, afile, meta_dir = tmp_path / "ckpt", tmp_path / "afile", tmp_path / "meta_dir"
+    save(sample_state(), ckpt)
+    afile.write_text("not a checkpoint")
+    (meta_dir / ".metadata").mkdir(parents=True)
+    return {
+        "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
+        "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
+        "inspect missing": (["inspect", str(tmp_path / "nope")], ".metadata is missing"),
+        "convert onto a file": (["convert", str(ckpt), str(afile)], f"{afile}: is a file"),
+        "convert onto itself": (["convert", str(ckpt), str(ckpt)], "is the source checkpoint"),
+        "convert a file": (["convert", str(afile), str(tmp_path / "out")], "is a file, not a checkpoint directory"),
+        "convert --iteration ten": (
+            ["convert", str(ckpt), str(tmp_path / "o2"), "--iteration", "ten"], "--iteration 'ten' is neither"),
+        "convert --partition-dim": (
+            ["convert", str(ckpt), str(tmp_path / "o3"), "--partition-dim", "x=abc"], "is not REGEX=DIM"),
+    }
+
+
+@pytest.mark.parametrize("mistake", [
+    "inspect a file", "inspect .metadata directory", "inspect missing", "convert onto a file",
+    "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
+])
+def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
+    from dcp_ext.cli.main import main
+
+    argv, message = user_mistakes(tmp_path)[mistake]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_verify_of_a_file_or_a_metadata_directory_fails_in_one_fault(tmp_path, capsys):
+    from dcp_ext.cli.main import main
+
+    mistakes = user_mistakes(tmp_path)
+    for name in ("inspect a file", "inspect .metadata directory"):
+        argv, message = mistakes[name]
+        assert main(["verify", argv[1]]) == 1
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("FAULT") and message in out[0] and out[1].startswith("FAILED"), out
+
+
+def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsys):
+    from dcp_ext.cli.main import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save(sample_state(1), src)
+    save(sample_state(2), dst)
+    assert main(["convert", str(src), str(dst)]) == 2
+    assert "Checkpoint already exists" in capsys.readouterr().err
+    assert main(["convert", str(src), str(dst), "--overwrite"]) == 0
+    assert main(["verify", str(dst)]) == 0
+    want = sample_state(1)
+    assert_state_dict_equal(load(want, dst)[0], want)

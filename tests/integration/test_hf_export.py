@@ -1,0 +1,130 @@
+"""Safetensors export: read back by the real consumers (safetensors, stock HuggingFaceStorageReader)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from dcp_ext import InvalidRequestError, export_safetensors
+from dcp_ext.cli.main import main as cli
+
+from megatron_fixtures import write_legacy, write_torch_dist, write_zarr
+from support import assert_tensor_equal, garbage_like, save
+
+INDEX = "model.safetensors.index.json"
+
+
+def mixed_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "embed.weight": torch.randn(37, 16, generator=g),
+        "layers.0.w": torch.randn(16, 16, generator=g).to(torch.bfloat16),
+        "layers.0.b": torch.randn(16, generator=g).half(),
+        "layers.1.w": torch.randn(16, 16, generator=g).to(torch.float64),
+        "ids": torch.randint(-(2**40), 2**40, (9,), generator=g),
+        "mask": torch.rand(5, generator=g) > 0.5,
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "step": 12,
+        "name": "run-7",
+    }
+
+
+def tensors_of(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def read_with_safetensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export through ``safetensors.torch.load_file``, shards per the index."""
+    index = json.loads((path / INDEX).read_text())
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(path / name))
+    assert {k: index["weight_map"][k] for k in out} == index["weight_map"]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    return out
+
+
+def assert_tensors_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert_tensor_equal(got[key], value, key)
+
+
+def test_export_of_a_dcp_checkpoint_reads_back_bit_exact_everywhere(tmp_path):
+    state = mixed_state()
+    save(state, tmp_path / "ckpt")
+    report = export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=2500)
+    want = tensors_of(state)
+    assert report.keys == len(want) and sorted(report.skipped) == ["name", "step"]
+    assert len(report.files) >= 3 and report.files[0] == f"model-00001-of-{len(report.files):05d}.safetensors"
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted([*report.files, INDEX])
+    assert_tensors_equal(read_with_safetensors(tmp_path / "hf"), want)
+    with safe_open(tmp_path / "hf" / report.files[0], framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for key in f.keys():
+            assert_tensor_equal(f.get_slice(key)[:], want[key], key)
+    dest = {k: garbage_like(v) for k, v in want.items() if v.numel()}
+    dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(tmp_path / "hf")))
+    assert_tensors_equal(dest, {k: v for k, v in want.items() if v.numel()})
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+def test_dtype_casts_floating_point_tensors_only_and_filters_select_keys(tmp_path):
+    state = mixed_state()
+    save(state, tmp_path / "ckpt")
+    export_safetensors(tmp_path / "ckpt", tmp_path / "hf", dtype=torch.bfloat16, include=r"^(layers|ids)", exclude=r"\.b$")
+    got = read_with_safetensors(tmp_path / "hf")
+    assert set(got) == {"layers.0.w", "layers.1.w", "ids"}
+    assert_tensor_equal(got["layers.1.w"], state["layers.1.w"].to(torch.bfloat16), "layers.1.w")
+    assert_tensor_equal(got["ids"], state["ids"], "ids")  # int64 kept
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist", "zarr"])
+def test_export_of_megatron_formats(tmp_path, fmt):
+    writer = {"legacy": lambda r: write_legacy(r, tp=2, pp=2, num_layers=2), "torch_dist": write_torch_dist,
+              "zarr": write_zarr}[fmt]
+    (tmp_path / "src").mkdir()
+    want = writer(str(tmp_path / "src"))
+    report = export_safetensors(tmp_path / "src", tmp_path / "hf", max_shard_bytes=4096)
+    got = read_with_safetensors(tmp_path / "hf")
+    assert_tensors_equal({k: got[k] for k in want}, want)
+    assert report.skipped  # args / iteration / objects are listed, not exported
+
+
+def test_destination_rules_and_failed_exports_leave_nothing(tmp_path):
+    state = mixed_state()
+    save(state, tmp_path / "ckpt")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(InvalidRequestError, match="is an existing directory"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "taken")
+    export_safetensors(tmp_path / "ckpt", tmp_path / "taken", overwrite=True)
+    assert set(read_with_safetensors(tmp_path / "taken")) == set(tensors_of(state))
+    with pytest.raises(InvalidRequestError, match="must be a float dtype"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "x", dtype=torch.int32)
+    data_file = next(p for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".distcp")
+    data_file.unlink()  # the export fails mid-way
+    with pytest.raises(BaseException, match="missing"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "taken"]
+
+
+def test_cli_convert_to_hf_exports_tensors_and_names_skipped_items(tmp_path, capsys):
+    state = mixed_state()
+    save(state, tmp_path / "ckpt")
+    argv = ["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf", "--max-shard-size", "2KB"]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "exported 8 tensors" in out and "skipped 2 non-tensor items: step, name" in out
+    assert_tensors_equal(read_with_safetensors(tmp_path / "hf"), tensors_of(state))
+    assert cli(["convert", str(tmp_path / "ckpt"), str(tmp_path / "d"), "--dtype", "bfloat16"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --dtype only apply with --to hf"
+    assert cli([*argv[:2], str(tmp_path / "h2"), "--to", "hf", "--max-shard-size", "lots"]) == 2
+    assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""TP-replica file locality: each TP rank saves and reloads replicated tensors from its own file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.cli.inspect_cmd import describe
+from dcp_ext.storage.catalog import read_catalog
+from dcp_ext.storage.location import Location
+
+from mp import run_job
+from support import assert_tensor_equal, garbage_like
+
+SPECS = {  # name -> (shape, placement on the tp dim)
+    "attn.qkv.weight": ((16, 8), Shard(0)),
+    "attn.proj.weight": ((8, 16), Shard(1)),
+    "norm1.weight": ((8,), Replicate()),
+    "norm2.weight": ((8,), Replicate()),
+    "proj.bias": ((8,), Replicate()),
+    "router.weight": ((4, 8), Replicate()),
+}
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {name: torch.randn(shape, generator=g) for name, (shape, _) in SPECS.items()}
+
+
+def _state(world: int) -> dict[str, DTensor]:
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    return {k: distribute_tensor(v, mesh, [Replicate(), SPECS[k][1]]) for k, v in full_tensors().items()}
+
+
+def _save_and_reload(rank: int, world: int, path: str, locality: bool) -> tuple[int, int]:
+    """Save at TP=world, reload at the same layout; return (files opened, own data files)."""
+    state = _state(world)
+    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=locality))
+    expected = {k: v.to_local().clone() for k, v in state.items()}
+    for value in state.values():
+        value.to_local().copy_(garbage_like(value.to_local()))
+    reader = ShardReader(path)
+    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
+    for name, value in state.items():
+        assert_tensor_equal(value.to_local(), expected[name], name)
+    own = [n for n in os.listdir(path) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+    return reader.stats.files_opened, len(own)
+
+
+@pytest.mark.mp
+def test_each_tp_rank_reads_only_its_own_files(tmp_path):
+    local = run_job(_save_and_reload, 4, str(tmp_path / "locality"), True)
+    assert all(opened == own for opened, own in local), local
+    plain = run_job(_save_and_reload, 4, str(tmp_path / "plain"), False)
+    assert sum(opened for opened, _ in plain) > sum(opened for opened, _ in local), (plain, local)
+    catalog = read_catalog(Location(tmp_path / "locality"))
+    replicated = [n for n, (_, p) in SPECS.items() if isinstance(p, Replicate)]
+    for name in replicated:  # one canonical + 3 copies, one per TP rank file
+        index = next(i for i in catalog.items if i.fqn == name)
+        files = [catalog.items[index].relative_path] + [c.relative_path for c in catalog.copies[index]]
+        assert sorted(f.split("_")[2] for f in files) == ["0", "1", "2", "3"]
+    assert len(catalog.metadata.state_dict_metadata) == len(SPECS)  # plain keys only
+    stats = describe(str(tmp_path / "locality"), stats=True)["stats"]  # dcp-ext inspect --stats
+    assert stats["replica_copies"] == 3 * len(replicated)
+    assert sorted(stats["bytes_per_rank"]) == [0, 1, 2, 3]
+    assert stats["largest"][0]["key"] in ("attn.qkv.weight", "attn.proj.weight")
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("reader", ["stock", "ours-1proc"])
+def test_locality_checkpoint_loads_anywhere(tmp_path, reader):
+    run_job(_save_and_reload, 4, str(tmp_path), True)
+    out = {k: torch.zeros_like(v) for k, v in full_tensors().items()}
+    storage = dcp.FileSystemReader(tmp_path) if reader == "stock" else ShardReader(tmp_path)
+    dcp.load(out, storage_reader=storage)
+    for name, value in full_tensors().items():
+        assert torch.equal(out[name], value), name
+
+
+def _reload_at_tp2(rank: int, world: int, path: str) -> None:
+    state = _state(world)
+    expected = {k: v.to_local().clone() for k, v in state.items()}
+    for value in state.values():
+        value.to_local().copy_(garbage_like(value.to_local()))
+    dcp.load(state, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+    for name, value in state.items():
+        assert_tensor_equal(value.to_local(), expected[name], name)
+
+
+@pytest.mark.mp
+def test_locality_checkpoint_loads_at_another_tp_degree(tmp_path):
+    run_job(_save_and_reload, 4, str(tmp_path), True)
+    run_job(_reload_at_tp2, 2, str(tmp_path))
+
+
+@pytest.mark.mp
+def test_verify_checks_every_copy(tmp_path):
+    import subprocess
+    import sys
+
+    run_job(_save_and_reload, 4, str(tmp_path), True)
+    catalog = read_catalog(Location(tmp_path))
+    index = next(i for i in catalog.copies if i.fqn == "router.weight")
+    copy = catalog.copies[index][0]
+    with open(tmp_path / copy.relative_path, "r+b") as f:  # corrupt one copy only
+        f.seek(copy.payload_offset + 3)
+        byte = f.read(1)
+        f.seek(copy.payload_offset + 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    result = subprocess.run([sys.executable, "-m", "dcp_ext.cli.main", "verify", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 1 and copy.relative_path in result.stdout and "router.weight" in result.stdout
+
+
+def _locality_without_tp_dim(rank: int, world: int, path: str) -> str:
+    """A 1-D TP mesh made without mesh_dim_names: replica_locality cannot take effect."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(v, mesh, [SPECS[k][1]]) for k, v in full_tensors().items()}
+    try:
+        dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=True))
+    except CheckpointException as exc:
+        return str(next(iter(exc.failures.values()))[0])
+    return "saved"
+
+
+@pytest.mark.mp
+def test_replica_locality_on_a_mesh_without_the_tp_dim_is_an_error(tmp_path):
+    messages = run_job(_locality_without_tp_dim, 2, str(tmp_path))
+    for message in messages:
+        assert "replica_locality=True" in message and "tp_dim='tp'" in message and "unnamed" in message, message
+    assert not os.path.exists(tmp_path / ".metadata")
+
+
+def test_tp_dim_without_replica_locality_is_an_error():
+    from dcp_ext import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="tp_dim only applies with replica_locality=True"):
+        ShardSavePlanner(tp_dim="model")

@@ -1,0 +1,216 @@
+"""Legacy Megatron ``mp_rank_*`` checkpoints load through ShardReader, bit-exact."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_ext import ShardLoadPlanner, ShardReader
+from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
+from dcp_ext.megatron import MegatronOptions, load_common_state
+
+from megatron_fixtures import write_legacy
+from mp import run_job
+from support import assert_tensor_equal, dtensor_load_job, load_error, load_tensors
+
+QKV0 = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+def rank_file(root, iteration_dir: str, name: str) -> str:
+    return os.path.join(root, iteration_dir, name, "model_optim_rng.pt")
+
+
+def test_tp2_loads_bit_exact_with_args_and_iteration(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=2)
+    state, _ = load_tensors(tmp_path, want, extra=("args", "iteration", "checkpoint_version"))
+    assert isinstance(state["args"], argparse.Namespace) and state["args"].tensor_model_parallel_size == 2
+    assert state["iteration"] == 20 and state["checkpoint_version"] == 3.0
+
+
+def test_tp2_pp2_swiglu_keys_have_global_layer_numbers(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in want
+    _, reader = load_tensors(tmp_path, want)
+    assert reader.catalog.format == "legacy"
+    assert set(reader.catalog.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+
+
+def test_expert_parallel_checkpoint_renumbers_experts(tmp_path):
+    # TP2 x EP2 without PP: directories are mp_rank_TT_EEE, told apart from PP by args
+    want = write_legacy(str(tmp_path), tp=2, pp=1, ep=2, num_layers=2, moe=True)
+    assert os.path.isdir(tmp_path / "iter_0000020" / "mp_rank_01_001")
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in want
+    load_tensors(tmp_path, want)
+
+
+def test_reads_only_the_files_holding_the_requested_part(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
+    key = "decoder.final_layernorm.weight"  # bf16, replicated, on the last stage only
+    _, reader = load_tensors(tmp_path, {key: want[key]})
+    assert reader.stats.files_opened == 1
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_loads_cut_across_tp_splits(tmp_path, world):
+    want = write_legacy(str(tmp_path), tp=2, pp=2, num_layers=4)
+    run_job(dtensor_load_job, world, str(tmp_path), want)
+
+
+@pytest.mark.mp
+def test_two_ranks_each_read_one_tp_file_for_their_rows(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    stats = run_job(dtensor_load_job, 2, str(tmp_path), {QKV0: want[QKV0]})  # Shard(0): rows of one TP shard
+    assert [s.files_opened for s in stats] == [1, 1]
+
+
+def test_latest_iteration_loads_by_default_and_an_older_one_on_request(tmp_path):
+    write_legacy(str(tmp_path), tp=1, pp=1, num_layers=1, iteration=5)
+    newer = write_legacy(str(tmp_path), tp=1, pp=1, num_layers=1, iteration=9)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "9"
+    load_tensors(tmp_path, newer)
+    older, _ = load_tensors(tmp_path, {}, extra=("iteration",), megatron=MegatronOptions(iteration=5))
+    assert older["iteration"] == 5
+    load_tensors(tmp_path / "iter_0000005", {}, extra=("iteration",))  # pointing at one iteration works too
+    os.remove(tmp_path / "latest_checkpointed_iteration.txt")
+    err = load_error({"iteration": None}, tmp_path)
+    assert "iter_0000005" in str(err) and "iteration=N" in str(err)
+
+
+def test_release_directory_loads_bit_exact(tmp_path):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1, iteration="release")
+    load_tensors(tmp_path, want)
+
+
+def test_missing_rank_file_names_its_coordinates(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=2, num_layers=2)
+    shutil.rmtree(tmp_path / "iter_0000020" / "mp_rank_01_001")
+    with pytest.raises(CheckpointError, match="incomplete legacy checkpoint") as err:
+        ShardReader(tmp_path).read_metadata()
+    assert "mp_rank_01_001" in str(err.value) and "TP rank 1, PP rank 1, EP rank 0" in str(err.value)
+    err = load_error({QKV0: torch.zeros(1)}, tmp_path)  # the same message reaches dcp.load's caller
+    assert "mp_rank_01_001" in str(err) and "TP rank 1, PP rank 1, EP rank 0" in str(err)
+
+
+def _rewrite(path: str, edit) -> None:
+    state = torch.load(path, weights_only=False)
+    edit(state["model"])
+    torch.save(state, path)
+
+
+def test_mismatched_tp_shapes_are_reported(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    path = rank_file(tmp_path, "iter_0000020", "mp_rank_01")
+    _rewrite(path, lambda m: m.__setitem__(QKV0, torch.zeros(3, 10)))
+    err = load_error({QKV0: torch.zeros(1)}, tmp_path)
+    assert "TP shards of" in str(err) and QKV0 in str(err) and "[3, 10]" in str(err)
+
+
+def test_unknown_parameter_needs_a_partition_rule(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    name = "decoder.layers.0.self_attention.linear_q_down.weight"
+    full = torch.arange(40.0).reshape(4, 10)
+    for rank in range(2):
+        _rewrite(rank_file(tmp_path, "iter_0000020", f"mp_rank_0{rank}"),
+                 lambda m, r=rank: m.__setitem__(name, full.chunk(2)[r].clone()))
+    err = load_error({name: torch.zeros(4, 10)}, tmp_path)
+    assert name in str(err) and "partition_dims" in str(err)
+    load_tensors(tmp_path, {name: full}, megatron=MegatronOptions(partition_dims={r"linear_q_down\.weight$": 0}))
+
+
+def test_common_state_and_unsafe_files(tmp_path):
+    write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    common = load_common_state(tmp_path)
+    assert common["iteration"] == 20 and common["args"].swiglu is True and "model" not in common
+    _rewrite(rank_file(tmp_path, "iter_0000020", "mp_rank_00"), lambda m: m.__setitem__("evil", os.system))
+    with pytest.raises(UnsafeCheckpointError, match="os.system|posix.system"):
+        load_common_state(tmp_path)
+
+
+def test_cached_source_loads_each_file_once(tmp_path, monkeypatch):
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=1)
+    calls = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    for _ in range(2):
+        state = {QKV0: torch.zeros_like(want[QKV0])}
+        dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner())
+        assert_tensor_equal(state[QKV0], want[QKV0])
+    assert len(calls) == 2  # two rank files, each loaded once across both loads
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)])
+def test_pre_mcore_nested_layout_loads_with_its_natural_keys(tmp_path, tp, pp):
+    want = write_legacy(str(tmp_path), tp=tp, pp=pp, num_layers=4, pre_mcore=True)
+    assert "language_model.encoder.layers.3.mlp.dense_h_to_4h.weight" in want  # SwiGLU halves, TP dim 0
+    assert "language_model.embedding.word_embeddings.weight" in want
+    _, reader = load_tensors(tmp_path, want)
+    assert set(reader.catalog.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+
+
+def test_model_without_parameter_tensors_is_an_error_not_an_empty_checkpoint(tmp_path):
+    write_legacy(str(tmp_path), tp=1, pp=1, num_layers=1)
+    path = rank_file(tmp_path, "iter_0000020", "mp_rank_00")
+    state = torch.load(path, weights_only=False)
+    state["model"] = {"language_model": {"encoder": {"note": "no tensors"}}}
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00/model_optim_rng.pt: no parameter tensors.*language_model\.encoder\.note"):
+        ShardReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize("extra_state", ["empty BytesIO", "empty bytes"])
+def test_empty_extra_state_values_load(tmp_path, extra_state):
+    """Megatron stores empty io.BytesIO / b"" extra states; they must not make a file unreadable."""
+    import io
+
+    value = io.BytesIO() if extra_state == "empty BytesIO" else b""
+    want = write_legacy(str(tmp_path), tp=2, pp=1, num_layers=2, extra_state=value)
+    load_tensors(tmp_path, want)
+
+
+def test_parameters_viewing_one_buffer_read_only_their_bytes(tmp_path):
+    """Megatron's DDP keeps parameters as views of one contiguous buffer, so ``torch.save``
+    writes the buffer once and each parameter as (offset, strides) into it: a load of one
+    parameter reads that parameter's bytes, not the buffer."""
+    buffer = torch.arange(6 * 4096, dtype=torch.float32)
+    model = {
+        "embedding.word_embeddings.weight": buffer[:4096].view(64, 64),
+        "decoder.layers.0.self_attention.linear_qkv.weight": buffer[4096:3 * 4096].view(128, 64),
+        "decoder.final_layernorm.weight": buffer[3 * 4096:3 * 4096 + 64],
+        "output_layer.weight": buffer[4 * 4096:].view(128, 64).t(),  # a strided (transposed) view
+    }
+    directory = tmp_path / "iter_0000003" / "mp_rank_00"
+    directory.mkdir(parents=True)
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=1)
+    torch.save({"model": model, "args": args, "iteration": 3, "checkpoint_version": 3.0}, directory / "model_optim_rng.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    for key, value in model.items():
+        _, reader = load_tensors(tmp_path, {key: value.clone()})
+        assert reader.stats.bytes_read == value.nbytes, key  # the buffer holds 6x more
+
+
+def test_storage_offsets_point_at_the_stored_bytes(tmp_path):
+    """``stored_at`` relies on torch reporting each storage's file offset for a meta-device
+    load (not public API): the bytes at each reported offset must be that storage's, so a
+    torch that changes it fails here; a tensor without it is refused loudly."""
+    from dcp_ext.errors import CorruptCheckpointError
+    from dcp_ext.formats.safe_load import safe_torch_load, stored_at
+
+    shared = torch.arange(1000, dtype=torch.int16)
+    storages = {"a": torch.rand(3, 5), "b": shared, "c": shared, "d": torch.randn(7).to(torch.bfloat16)}
+    path = tmp_path / "f.pt"
+    torch.save({"a": storages["a"], "b": shared[10:20], "c": shared[500:], "d": storages["d"]}, path)
+    loaded = safe_torch_load(str(path), "f.pt", layout_only=True)
+    with open(path, "rb") as raw:
+        for key, tensor in loaded.items():
+            assert tensor.device.type == "meta"
+            raw.seek(stored_at(tensor, key))
+            data = bytearray(raw.read(tensor.untyped_storage().nbytes()))
+            assert torch.equal(torch.frombuffer(data, dtype=tensor.dtype), storages[key].reshape(-1)), key
+    with pytest.raises(CorruptCheckpointError, match="did not report where this tensor's bytes are stored"):
+        stored_at(torch.empty(3, device="meta"), "made on the meta device")

@@ -1,0 +1,127 @@
+"""Checkpoints written by the real megatron-core load bit-exact through ShardReader at 1, 2
+and 4 processes, against values megatron-core's own loader returned: torch_dist from
+0.16.1 (TP2 x DP2, EP2 experts, SwiGLU factories, Adam state, an RNG ShardedObject,
+common.pt), the same from 0.19.2 (common state as the ``common_state`` ShardedObject, no
+common.pt) and zarr from 0.12.2 (TP2, bf16 norms, SwiGLU, RNG objects, common.pt).
+
+Fixture and expected values: ``tests/fixtures/megatron/generate.py`` (see its README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dcp_ext import ShardLoadPlanner, ShardReader
+from dcp_ext.cli.main import main as cli
+from dcp_ext.megatron import load_common_state
+
+from mp import run_job
+from support import FIXTURES, assert_tensor_equal, garbage_like
+
+MEGATRON_FIXTURES = FIXTURES / "megatron"
+NAMES = {"mcore016_tp2_dp2_ep2": "0.16.1", "mcore019_tp2_dp2_ep2": "0.19.2", "mcore012_zarr_tp2": "0.12.2"}
+
+
+def expected(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    return load_file(MEGATRON_FIXTURES / f"{name}.expected.safetensors"), json.loads((MEGATRON_FIXTURES / f"{name}.expected.json").read_text())
+
+
+def as_json(obj):
+    """The generator's JSON form (dicts, lists, numbers, strings, Namespaces)."""
+    if isinstance(obj, argparse.Namespace):
+        return {"namespace": as_json(vars(obj))}
+    if isinstance(obj, dict):
+        return {str(k): as_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [as_json(v) for v in obj]
+    return obj
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_tensor_and_object_loads_bit_exact(name):
+    tensors, info = expected(name)
+    assert info["megatron_core"] == NAMES[name] and len(tensors) >= 8
+    state = {k: garbage_like(v) for k, v in tensors.items()}
+    state.update({key: None for key in info["objects"]})
+    dcp.load(state, storage_reader=ShardReader(MEGATRON_FIXTURES / name), planner=ShardLoadPlanner())
+    for key, value in tensors.items():
+        assert_tensor_equal(state[key], value, key)
+    for key, value in info["objects"].items():  # torch_dist stores a ShardedObject as [object], zarr bare
+        got = state[key]
+        if (MEGATRON_FIXTURES / name / ".metadata").exists():
+            assert isinstance(got, list) and len(got) == 1, key
+            got = got[0]
+        assert as_json(got) == value, key
+    common = load_common_state(MEGATRON_FIXTURES / name)
+    assert {k: as_json(common[k]) for k in ("args", "iteration")} == {k: info["common"][k] for k in ("args", "iteration")}
+
+
+def resharded_job(rank: int, world: int, names: list[str]) -> None:
+    """Every tensor of every fixture as a DTensor, Shard(0) and Shard(last) in turn: cuts
+    fall across the saved TP, EP and layer splits."""
+    mesh = init_device_mesh("cpu", (world,))
+    for name in names:
+        tensors, _ = expected(name)
+        specs = {k: Shard(0 if n % 2 else v.dim() - 1) for n, (k, v) in enumerate(sorted(tensors.items()))}
+        state = {k: distribute_tensor(garbage_like(tensors[k]), mesh, [p], src_data_rank=None) for k, p in specs.items()}
+        dcp.load(state, storage_reader=ShardReader(MEGATRON_FIXTURES / name), planner=ShardLoadPlanner())
+        for key, placement in specs.items():
+            want = distribute_tensor(tensors[key], mesh, [placement], src_data_rank=None).to_local()
+            assert_tensor_equal(state[key].to_local(), want, f"rank {rank} {name} {key}")
+
+
+@pytest.mark.mp
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_resharded_loads_at_2_and_4_processes(world):
+    run_job(resharded_job, world, list(NAMES))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cli_inspect_verify_convert(tmp_path, capsys, name):
+    tensors, _ = expected(name)
+    ckpt = MEGATRON_FIXTURES / name
+    assert cli(["inspect", "--json", str(ckpt)]) == 0
+    listed = {k["key"]: k for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert all(listed[k]["shape"] == list(v.shape) for k, v in tensors.items())
+    assert cli(["verify", str(ckpt)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("OK:")
+    assert cli(["convert", str(ckpt), str(tmp_path / "ours")]) == 0
+    assert cli(["verify", str(tmp_path / "ours")]) == 0
+    state = {k: garbage_like(v) for k, v in tensors.items()}
+    dcp.load(state, storage_reader=ShardReader(tmp_path / "ours"), planner=ShardLoadPlanner())
+    for key, value in tensors.items():
+        assert_tensor_equal(state[key], value, key)
+
+
+def test_metadata_holds_megatrons_save_plans():
+    """What broke before: megatron-core pickles its local SavePlans into .metadata."""
+    ckpt = MEGATRON_FIXTURES / "mcore016_tp2_dp2_ep2"
+    raw = (ckpt / ".metadata").read_bytes()
+    assert b"SavePlan" in raw and b"WriteItem" in raw
+    assert len(ShardReader(ckpt).read_metadata().state_dict_metadata) > 40
+
+
+def test_common_state_object_without_common_pt():
+    """megatron-core >= 0.17 keeps the common state in the DCP data, not in common.pt."""
+    ckpt = MEGATRON_FIXTURES / "mcore019_tp2_dp2_ep2"
+    _, info = expected("mcore019_tp2_dp2_ep2")
+    assert not (ckpt / "common.pt").exists() and "common_state/shard_0_1" in info["objects"]
+    assert as_json(load_common_state(ckpt)) == info["common"]
+
+
+def test_converted_common_state_object_is_no_megatron_save(tmp_path):
+    """``convert`` copies the ``common_state`` object: the result is our checkpoint, complete
+    without Megatron's metadata.json, and still answers ``load_common_state``."""
+    _, info = expected("mcore019_tp2_dp2_ep2")
+    assert cli(["convert", str(MEGATRON_FIXTURES / "mcore019_tp2_dp2_ep2"), str(tmp_path / "ours")]) == 0
+    assert not (tmp_path / "ours" / "metadata.json").exists()
+    assert as_json(load_common_state(tmp_path / "ours")) == info["common"]

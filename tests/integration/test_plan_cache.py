@@ -1,0 +1,84 @@
+"""Global save plans reused across saves of an unchanged state dict, never when it changed.
+
+Two gloo processes save DTensors (Shard(0), uneven) and a replicated tensor three times
+into one directory: the second save (same layout, new values) reuses the coordinator's
+plan, the third (one tensor with another shape, one key added) plans afresh; after each
+save a load returns exactly the values just saved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.planning.plan_cache import clear_plan_cache
+from dcp_ext.planning.plan_table import table_from_items
+
+from mp import run_job
+from support import assert_state_dict_equal, garbage_like, shard_item
+
+
+def _state(mesh, seed: int, rows: int, extra: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "w": distribute_tensor(torch.randn(rows, 4, generator=g), mesh, [Shard(0)], src_data_rank=None),
+        "norm": torch.randn(6, generator=g),
+    }
+    if extra:
+        state["bias"] = distribute_tensor(torch.randn(5, generator=g), mesh, [Shard(0)], src_data_rank=None)
+    return state
+
+
+def _destination(state: dict) -> dict:
+    return {
+        k: distribute_tensor(garbage_like(v.full_tensor()), v.device_mesh, v.placements, src_data_rank=None)
+        if hasattr(v, "device_mesh")
+        else garbage_like(v)
+        for k, v in state.items()
+    }
+
+
+def cache_job(rank: int, world_size: int, path: str) -> list[bool]:
+    clear_plan_cache()
+    mesh = init_device_mesh("cpu", (world_size,))
+    reused = []
+    for seed, rows, extra in ((1, 7, False), (2, 7, False), (3, 9, True)):
+        state = _state(mesh, seed, rows, extra)
+        planner = ShardSavePlanner()
+        dcp.save(state, storage_writer=ShardWriter(path), planner=planner)
+        reused.append(planner.plan_reused)
+        got = _destination(state)
+        dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+        assert_state_dict_equal(
+            {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()},
+            {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()},
+        )
+    return reused
+
+
+@pytest.mark.mp
+def test_unchanged_layout_reuses_the_plan_and_a_changed_one_does_not(tmp_path):
+    results = run_job(cache_job, 2, str(tmp_path / "ckpt"))
+    assert results[0] == [False, True, False]  # the coordinator's view
+    assert results[1] == [False, False, False]  # other ranks never hold a global plan
+
+
+def test_table_digest_covers_layout_not_values():
+    a = [shard_item("w", (0, 0), (4, 3), (8, 3)), shard_item("b", (0,), (2,), (2,))]
+    same = [shard_item("w", (0, 0), (4, 3), (8, 3)), shard_item("b", (0,), (2,), (2,))]
+    assert table_from_items(a).digest == table_from_items(same).digest
+    variants = [
+        [shard_item("w", (4, 0), (4, 3), (8, 3)), a[1]],  # other offsets
+        [shard_item("w", (0, 0), (4, 3), (9, 3)), a[1]],  # other global shape
+        [shard_item("w", (0, 0), (4, 3), (8, 3), torch.bfloat16), a[1]],  # other dtype
+        [a[0], shard_item("c", (0,), (2,), (2,))],  # other key
+        a[:1],  # a key fewer
+    ]
+    digests = {table_from_items(v).digest for v in variants} | {table_from_items(a).digest}
+    assert len(digests) == len(variants) + 1
+    assert table_from_items(SavePlan(a).items, {"w": ("model", "w")}).digest != table_from_items(a).digest

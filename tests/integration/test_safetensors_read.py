@@ -1,0 +1,182 @@
+"""ShardReader opens Hugging Face safetensors checkpoints written by the real producers:
+``safetensors.torch.save_file``, ``huggingface_hub.save_torch_state_dict`` (sharded, with
+``model.safetensors.index.json``) and stock ``HuggingFaceStorageWriter`` (multi-process,
+with its DCP sharding info), at 1, 2 and 4 processes, bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dcp_ext import CheckpointError, CorruptCheckpointError, ShardLoadPlanner, ShardReader
+from dcp_ext.cli.main import main as cli
+
+from mp import run_job
+from support import assert_tensor_equal, dtensor_load_job, load_tensors
+
+
+def model_tensors() -> dict[str, torch.Tensor]:
+    """Odd sizes so that DTensor shards cut across rows and columns unevenly."""
+    g = torch.Generator().manual_seed(11)
+    return {
+        "embed.weight": torch.randn(19, 12, generator=g),
+        "layers.0.attn.qkv.weight": torch.randn(30, 12, generator=g).to(torch.bfloat16),
+        "layers.0.attn.qkv.bias": torch.randn(30, generator=g).half(),
+        "layers.0.mlp.fc1.weight": torch.randn(14, 12, generator=g),
+        "layers.0.norm.weight": torch.randn(12, generator=g).to(torch.bfloat16),
+        "position_ids": torch.arange(21, dtype=torch.int64),
+        "mask": torch.rand(9, generator=g) > 0.5,
+    }
+
+
+def write(producer: str, path: str) -> dict[str, torch.Tensor]:
+    tensors = model_tensors()
+    if producer == "save_file":
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    elif producer == "huggingface_hub":
+        os.makedirs(path, exist_ok=True)
+        save_torch_state_dict(tensors, path, max_shard_size=1000)  # several shards + index
+    return tensors
+
+
+@pytest.mark.parametrize("producer", ["save_file", "huggingface_hub"])
+def test_loads_bit_exact_reading_only_the_tensor_bytes(tmp_path, producer):
+    want = write(producer, str(tmp_path))
+    if producer == "huggingface_hub":
+        assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    _, reader = load_tensors(tmp_path, want)
+    assert reader.stats.bytes_read == sum(t.numel() * t.element_size() for t in want.values())
+    part = {"layers.0.mlp.fc1.weight": want["layers.0.mlp.fc1.weight"]}
+    assert load_tensors(tmp_path, part)[1].stats.files_opened == 1
+
+
+def test_destination_dtype_is_cast_as_stock_dcp_does(tmp_path):
+    want = write("save_file", str(tmp_path))
+    state = {"layers.0.attn.qkv.weight": torch.full((30, 12), 7.0, dtype=torch.float32)}
+    dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner())
+    assert_tensor_equal(state["layers.0.attn.qkv.weight"], want["layers.0.attn.qkv.weight"].float(), "qkv")
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_loads_at_2_and_4_processes(tmp_path, world):
+    want = write("huggingface_hub", str(tmp_path))
+    run_job(dtensor_load_job, world, str(tmp_path), want)
+
+
+@pytest.mark.mp
+def test_two_stage_reads_each_byte_once_per_group(tmp_path):
+    want = write("huggingface_hub", str(tmp_path))
+    stats = run_job(dtensor_load_job, 2, str(tmp_path), want, True)
+    assert sum(s.bytes_read for s in stats) == sum(t.numel() * t.element_size() for t in want.values())
+
+
+def hf_writer_job(rank: int, world: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(4)
+    full = {"w": torch.randn(7, 4, generator=g), "b": torch.randn(3, 5, generator=g).to(torch.bfloat16)}
+    state = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), "b": distribute_tensor(full["b"], mesh, [Shard(1)])}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+
+
+@pytest.mark.mp
+def test_stock_hugging_face_writer_output_with_dcp_offsets_loads_resharded(tmp_path):
+    run_job(hf_writer_job, 2, str(tmp_path))
+    g = torch.Generator().manual_seed(4)
+    want = {"w": torch.randn(7, 4, generator=g), "b": torch.randn(3, 5, generator=g).to(torch.bfloat16)}
+    metadata = ShardReader(tmp_path).read_metadata()
+    assert [len(metadata.state_dict_metadata[k].chunks) for k in ("w", "b")] == [2, 2]
+    load_tensors(tmp_path, want)  # 2 -> 1 process
+    run_job(dtensor_load_job, 4, str(tmp_path), want)  # 2 -> 4 processes
+
+
+def test_cli_inspect_verify_and_export_round_trip(tmp_path, capsys):
+    want = write("huggingface_hub", str(tmp_path / "hf"))
+    assert cli(["inspect", "--json", str(tmp_path / "hf")]) == 0
+    keys = {k["key"]: k for k in json.loads(capsys.readouterr().out)["keys"]}
+    assert set(keys) == set(want) and keys["embed.weight"]["shape"] == [19, 12]
+    assert cli(["verify", str(tmp_path / "hf")]) == 0
+    assert "items carry no checksum" in capsys.readouterr().out
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    load_tensors(tmp_path / "dcp", want)
+    load_tensors(tmp_path / "back", want)
+
+
+def test_verify_checksums_is_refused_not_ignored(tmp_path):
+    want = write("save_file", str(tmp_path))
+    with pytest.raises(BaseException) as info:
+        load_tensors(tmp_path, want, verify_checksums=True)
+    assert "verify_checksums=True" in str(info.value) and "records no checksums" in str(info.value)
+
+
+# -- bad input --------------------------------------------------------------------------------
+def header_of(path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def rewrite(path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def corrupt(kind: str, path) -> None:
+    header, data = header_of(path)
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[:-40])
+    elif kind == "offsets outside the file":
+        header["mask"]["data_offsets"] = [len(data) - 4, len(data) + 5]
+        rewrite(path, header, data)
+    elif kind == "overlapping tensors":
+        begin = header["embed.weight"]["data_offsets"][0]
+        header["position_ids"]["data_offsets"] = [begin, begin + 21 * 8]
+        rewrite(path, header, data)
+    elif kind == "header over 100 MB":
+        path.write_bytes(struct.pack("<Q", 100_000_001) + path.read_bytes()[8:])
+    elif kind == "size disagrees with shape":
+        header["mask"]["shape"] = [10]
+        rewrite(path, header, data)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("truncated", r"key '[\w.]+': bytes .* past the end of the data \(\d+ bytes; truncated\?\)"),
+    ("offsets outside the file", r"'mask'.*past the end of the data"),
+    ("overlapping tensors", r"tensors '\w[\w.]*' and '\w[\w.]*' overlap"),
+    ("header over 100 MB", r"header claims 100000001 bytes"),
+    ("size disagrees with shape", r"key 'mask': data_offsets .* hold 9 bytes, but BOOL \[10\] needs 10"),
+])
+def test_bad_files_get_a_clear_error_naming_file_and_key(tmp_path, kind, message):
+    write("save_file", str(tmp_path))
+    corrupt(kind, tmp_path / "model.safetensors")
+    with pytest.raises(CorruptCheckpointError, match=message) as info:
+        ShardReader(tmp_path).read_metadata()
+    assert "model.safetensors" in str(info.value)
+
+
+def test_key_in_the_index_but_not_in_its_file_is_refused(tmp_path):
+    write("huggingface_hub", str(tmp_path))
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["lm_head.weight"] = next(iter(index["weight_map"].values()))
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match=r"index.json: key 'lm_head.weight' is mapped to 'model-0000\d"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_a_directory_with_neither_metadata_nor_safetensors_is_no_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"\.metadata is missing"):
+        ShardReader(tmp_path).read_metadata()

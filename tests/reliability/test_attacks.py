@@ -1,0 +1,415 @@
+"""Hostile checkpoints: rejected with a clear error, and nothing they ask for ever runs.
+
+Every code-running payload would create a canary file; its absence proves nothing ran.
+Attacks on the index rewrite the commit marker too (the marker detects corruption, it
+is no defence against an attacker), so they reach the index decoder and validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pickle
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import SavePlan
+
+from dcp_ext import CheckpointError, CorruptCheckpointError, ShardLoadPlanner, ShardReader, UnsafeCheckpointError
+from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
+
+from megatron_fixtures import write_zarr
+from support import load, load_error, local_save_plans, sample_state, save
+
+
+class Payload:
+    """Pickles as a call of ``func(*args)``: what a crafted pickle runs on plain ``pickle.load``."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def code_payloads(canary: str, metadata_path: str) -> dict[str, Payload]:
+    touch = f"open({canary!r}, 'w').close()"
+    return {
+        "os.system": Payload(os.system, f"touch {canary}"),
+        "eval": Payload(eval, touch),
+        "builtins.exec": Payload(exec, touch),
+        "subprocess": Payload(subprocess.getoutput, f"touch {canary}"),
+        "torch.load recursion": Payload(torch.load, metadata_path),
+    }
+
+
+def read_metadata_pickle(path):
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)  # our own fresh checkpoint: trusted here
+
+
+def write_metadata_pickle(path, metadata, drop_index: bool = True) -> None:
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    if drop_index:
+        (path / INDEX_NAME).unlink(missing_ok=True)
+
+
+def rewrite_metadata(path, mutate) -> None:
+    metadata = read_metadata_pickle(path)
+    mutate(metadata)
+    write_metadata_pickle(path, metadata)
+
+
+# -- .metadata pickles -----------------------------------------------------------------------
+@pytest.mark.parametrize("attack", ["os.system", "eval", "builtins.exec", "subprocess", "torch.load recursion"])
+@pytest.mark.parametrize("where", ["whole-file", "inside-valid-metadata"])
+def test_code_running_metadata_is_refused(tmp_path, attack, where):
+    ckpt, canary = tmp_path / "ckpt", tmp_path / "canary"
+    save(sample_state(), ckpt)
+    payload = code_payloads(str(canary), str(ckpt / ".metadata"))[attack]
+    if where == "whole-file":
+        (ckpt / ".metadata").write_bytes(pickle.dumps(payload))
+    else:  # a real Metadata with the payload tucked into planner_data; our index left in place
+        metadata = read_metadata_pickle(ckpt)
+        metadata.planner_data = {"x": payload}
+        write_metadata_pickle(ckpt, metadata, drop_index=False)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refuses to load \w+\.\w+"):
+        ShardReader(ckpt).read_metadata()
+    assert not canary.exists()
+
+
+def hide_in_save_plan(plan: SavePlan, where: str, payload: Payload) -> SavePlan:
+    """``plan`` with ``payload`` in one field of its first tensor WriteItem (or the plan)."""
+    item = next(i for i in plan.items if i.tensor_data is not None)
+    if where == "SavePlan.planner_data":
+        return dataclasses.replace(plan, planner_data={"x": payload})
+    if where == "WriteItem.index":
+        hidden = dataclasses.replace(item, index=payload)
+    else:  # TensorWriteData.size
+        hidden = dataclasses.replace(item, tensor_data=dataclasses.replace(item.tensor_data, size=payload))
+    return dataclasses.replace(plan, items=[hidden, *plan.items[1:]])
+
+
+@pytest.mark.parametrize("attack", ["os.system", "eval"])
+@pytest.mark.parametrize("where", ["WriteItem.index", "SavePlan.planner_data", "TensorWriteData.size"])
+def test_code_hidden_in_save_plans_is_refused(tmp_path, attack, where):
+    """megatron-core stores local SavePlans in .metadata, so their classes are admitted: not their payloads."""
+    ckpt, canary = tmp_path / "ckpt", tmp_path / "canary"
+    state = sample_state()
+    save(state, ckpt)
+    payload = code_payloads(str(canary), str(ckpt / ".metadata"))[attack]
+    metadata = read_metadata_pickle(ckpt)
+    metadata.planner_data = [hide_in_save_plan(plan, where, payload) for plan in local_save_plans(state)]
+    write_metadata_pickle(ckpt, metadata)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refuses to load (posix\.system|builtins\.eval)"):
+        ShardReader(ckpt).read_metadata()
+    assert not canary.exists()
+
+
+def test_deeply_nested_metadata_is_refused(tmp_path):
+    depth = 1_000_000  # a list nested a million deep: built by the stack machine, no recursion
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b".")
+    with pytest.raises(CorruptCheckpointError, match="expected a DCP Metadata object"):
+        ShardReader(tmp_path).read_metadata()
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04" + b"]" * 200_000 + b".")  # a very tall stack
+    with pytest.raises(CheckpointError, match="metadata"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_deeply_nested_state_dict_metadata_is_refused(tmp_path):
+    save(sample_state(), tmp_path)
+    rewrite_metadata(tmp_path, lambda md: setattr(md, "state_dict_metadata", {"w": "SENTINEL"}))
+    depth = 100_000  # pickle.dumps cannot nest this deep, so splice the opcodes in
+    nested = b"]" * depth + b"a" * (depth - 1)
+    raw = (tmp_path / ".metadata").read_bytes()
+    (tmp_path / ".metadata").write_bytes(raw.replace(b"\x8c\x08SENTINEL", nested, 1))
+    with pytest.raises(CorruptCheckpointError, match="'w' has unknown metadata list"):
+        ShardReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize("bits", [40, 60])
+def test_chunk_claiming_a_huge_size_is_refused_before_any_allocation(tmp_path, bits):
+    save(sample_state(), tmp_path)
+
+    def inflate(md):
+        md.state_dict_metadata["w"].size = torch.Size([2**bits, 48])
+        md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([2**bits, 48])
+
+    rewrite_metadata(tmp_path, inflate)
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*needs \d+ bytes"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_bytes_item_claiming_2_pow_60_bytes_is_refused_before_any_allocation(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+
+    def inflate(md):
+        index = next(i for i in md.storage_data if i.fqn == "name")
+        md.storage_data[index].length = 2**60
+
+    rewrite_metadata(tmp_path, inflate)
+    error = load_error(state, tmp_path)
+    assert isinstance(error, CorruptCheckpointError) and "'name'" in str(error) and "truncated" in str(error)
+
+
+@pytest.mark.parametrize("bad_path", ["../outside.distcp", "/etc/passwd", "a/../../x", "C:\\x", "a\x00b"])
+def test_path_escape_in_metadata_is_refused(tmp_path, bad_path):
+    save(sample_state(), tmp_path / "ckpt")
+
+    def escape(md):
+        index = next(i for i in md.storage_data if i.fqn == "w")
+        md.storage_data[index].relative_path = bad_path
+
+    rewrite_metadata(tmp_path / "ckpt", escape)
+    with pytest.raises(UnsafeCheckpointError, match=r"key 'w'.*escapes the checkpoint directory"):
+        ShardReader(tmp_path / "ckpt").read_metadata()
+
+
+def test_symlinked_data_file_out_of_the_directory_is_refused(tmp_path):
+    state = sample_state()
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "outside.distcp"
+    save(state, ckpt)
+    victim = next(n for n in os.listdir(ckpt) if n.endswith(".distcp"))
+    os.replace(ckpt / victim, outside)
+    os.symlink(outside, ckpt / victim)
+    error = load_error(state, ckpt)
+    assert isinstance(error, UnsafeCheckpointError) and victim in str(error) and "outside" in str(error)
+
+
+@pytest.mark.parametrize("name", [".metadata", INDEX_NAME])
+def test_symlinked_metadata_out_of_the_directory_is_refused(tmp_path, name):
+    ckpt = tmp_path / "ckpt"
+    save(sample_state(), ckpt)
+    os.replace(ckpt / name, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", ckpt / name)
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
+        ShardReader(ckpt).read_metadata()
+
+
+def test_hostile_tensor_record_in_a_stock_checkpoint_is_refused(tmp_path):
+    """No index: the record's own pickle is decoded, by an allowlist that runs nothing."""
+    canary = tmp_path / "canary"
+    state = {"w": torch.arange(6.0)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"))
+    ckpt = tmp_path / "ckpt"
+    record = io.BytesIO()
+    torch.save(Payload(os.system, f"touch {canary}"), record)
+    metadata = read_metadata_pickle(ckpt)
+    info = next(iter(metadata.storage_data.values()))
+    (ckpt / info.relative_path).write_bytes(record.getvalue())
+    info.offset, info.length = 0, len(record.getvalue())
+    write_metadata_pickle(ckpt, metadata)
+    error = load_error(state, ckpt)
+    assert isinstance(error, UnsafeCheckpointError) and "posix.system" in str(error) and "'w'" in str(error)
+    assert not canary.exists()
+
+
+class Settings:
+    """A harmless custom class nobody registered with add_safe_globals."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+
+PLANNERS = {"default": DefaultLoadPlanner, "shard": ShardLoadPlanner}
+
+
+def save_bytes_item(layout: str, obj, root) -> tuple[str, object]:
+    """A checkpoint holding ``obj`` as a bytes item; returns (path, its key)."""
+    path = root / "ckpt"
+    if layout == "ours":
+        save({"obj": obj}, path, checksums=False)
+    elif layout == "stock":
+        dcp.save({"obj": obj}, storage_writer=dcp.FileSystemWriter(path))
+    else:  # a Megatron zarr checkpoint's ShardedObject file
+        path.mkdir()
+        write_zarr(str(path))
+        torch.save(obj, path / "rng_state" / "shard_0_1.pt")
+        return path, "rng_state/shard_0_1"
+    return path, "obj"
+
+
+@contextlib.contextmanager
+def one_process_group(root):
+    """A one-rank gloo group, so ``two_stage=True`` takes the exchange path."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("planner", list(PLANNERS))
+@pytest.mark.parametrize("layout", ["ours", "stock", "zarr", "two-stage"])
+def test_hostile_bytes_item_runs_nothing(tmp_path, layout, planner):
+    """The reader checks every bytes item before any planner decodes it: DCP's default
+    planner would call ``torch.load(weights_only=False)`` on it."""
+    canary = tmp_path / "canary"
+    path, key = save_bytes_item("ours" if layout == "two-stage" else layout, Payload(os.system, f"touch {canary}"), tmp_path)
+    with one_process_group(tmp_path) if layout == "two-stage" else contextlib.nullcontext():
+        error = load_error({key: None}, path, PLANNERS[planner](), two_stage=layout == "two-stage")
+    assert isinstance(error, UnsafeCheckpointError), error
+    assert f"key {key!r}" in str(error) and "posix.system" in str(error) and "allow_unsafe_bytes=True" in str(error)
+    assert not canary.exists()
+
+
+@pytest.mark.parametrize("planner", list(PLANNERS))
+def test_custom_class_bytes_item_is_refused_by_default(tmp_path, planner):
+    path, key = save_bytes_item("ours", Settings(0.5), tmp_path)
+    error = load_error({key: None}, path, PLANNERS[planner]())
+    assert isinstance(error, UnsafeCheckpointError) and f"{__name__}.Settings" in str(error)
+    assert f"key {key!r}" in str(error) and ".distcp" in str(error)
+
+
+OPT_OUTS = {  # where the caller says it trusts the checkpoint: (planner, reader kwargs)
+    "reader": (DefaultLoadPlanner, {"allow_unsafe_bytes": True}),
+    "planner": (lambda: ShardLoadPlanner(allow_unsafe_bytes=True), {}),
+    "both": (lambda: ShardLoadPlanner(allow_unsafe_bytes=True), {"allow_unsafe_bytes": True}),
+}
+
+
+@pytest.mark.parametrize("opt_out", list(OPT_OUTS))
+def test_custom_class_bytes_item_loads_with_an_opt_out(tmp_path, opt_out):
+    make_planner, reader_kwargs = OPT_OUTS[opt_out]
+    path, key = save_bytes_item("ours", Settings(0.5), tmp_path)
+    out, _ = load({key: None}, path, make_planner(), **reader_kwargs)
+    assert type(out[key]) is Settings and out[key].lr == 0.5
+
+
+def test_non_tensor_item_never_replaces_a_tensor(tmp_path):
+    """A checkpoint (or a hostile index) storing a key as bytes cannot swap out a tensor."""
+    save({"w": 5}, tmp_path)
+    state = {"w": torch.ones(3)}
+    error = load_error(state, tmp_path)
+    assert isinstance(error, CorruptCheckpointError) and "'w'" in str(error) and "non-tensor" in str(error)
+
+
+# -- the index ---------------------------------------------------------------------------
+def rewrite_index(path, mutate) -> None:
+    """Replace the index with ``mutate(rows, schema)``'s table; re-sign it in the marker."""
+    table = pq.read_table(path / INDEX_NAME)
+    rows = table.to_pydict()
+    new_table = mutate(rows, table.schema)
+    sink = io.BytesIO()
+    pq.write_table(new_table, sink)
+    (path / INDEX_NAME).write_bytes(sink.getvalue())
+    marker = CommitMarker.decode((path / MARKER_NAME).read_bytes(), "test")
+    metadata_bytes = (path / ".metadata").read_bytes()
+    (path / MARKER_NAME).write_bytes(CommitMarker.for_bytes(marker.save_id, metadata_bytes, sink.getvalue()).encode())
+
+
+def set_column(name: str, value, arrow_type=None):
+    """A mutation setting column ``name`` of the row for key 'w' (optionally retyping it)."""
+
+    def mutate(rows, schema):
+        row = rows["fqn"].index("w")
+        rows[name][row] = value
+        if arrow_type is None:
+            return pa.table(rows, schema=schema)
+        fields = [pa.field(f.name, arrow_type if f.name == name else f.type) for f in schema]
+        if arrow_type == pa.string():
+            rows[name] = [str(v) for v in rows[name]]
+        return pa.table(rows, schema=pa.schema(fields, metadata=schema.metadata))
+
+    return mutate
+
+
+def duplicate_row(rows, schema):
+    """A second canonical row for 'w' at the same offset."""
+    row = rows["fqn"].index("w")
+    for values in rows.values():
+        values.append(values[row])
+    return pa.table(rows, schema=schema)
+
+
+INDEX_ATTACKS = {
+    "duplicate row": (duplicate_row, r"'w' has two index rows at offset \[0, 0\]"),
+    "negative offset": (set_column("offset", -4096), r"'w' has an invalid byte range"),
+    "negative length": (set_column("length", -1), r"'w' has an invalid byte range"),
+    "negative chunk offset": (set_column("offsets", [-1, 0]), r"'w'.*does not fit its global shape"),
+    "parent path": (set_column("file", "../../etc/passwd"), r"'w'.*escapes the checkpoint directory"),
+    "absolute path": (set_column("file", "/etc/passwd"), r"'w'.*escapes the checkpoint directory"),
+    "empty path": (set_column("file", ""), r"'w'.*is not a non-empty string"),
+    "offset as text": (set_column("offset", "zero", pa.string()), r"unreadable index"),
+    "huge chunk": (set_column("sizes", [2**60, 48]), r"'w'.*does not fit its global shape"),
+}
+
+
+@pytest.mark.parametrize("attack", list(INDEX_ATTACKS))
+def test_index_attacks_are_refused(tmp_path, attack):
+    mutate, message = INDEX_ATTACKS[attack]
+    save(sample_state(), tmp_path)
+    rewrite_index(tmp_path, mutate)
+    with pytest.raises(CheckpointError, match=message):
+        ShardReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize(
+    "header_change, message",
+    [
+        ({"tensors": {"w": ["load", [64, 48], False, False]}}, r"unknown dtype 'load'"),
+        ({"tensors": {"w": ["float32", ["64", 48], False, False]}}, r"non-integer shape"),
+        ({"tensors": {"w": ["float32", [-64, 48], False, False]}}, r"invalid dtype .* or shape"),
+        ({"order": 7}, r"unreadable index"),
+        ({"format": "something-else"}, r"unreadable index"),
+    ],
+)
+def test_index_header_attacks_are_refused(tmp_path, header_change, message):
+    import json
+
+    def mutate(rows, schema):
+        header = json.loads(schema.metadata[b"dcp_ext"])
+        for key, value in header_change.items():
+            header[key] = {**header[key], **value} if isinstance(value, dict) else value
+        return pa.table(rows, schema=schema.with_metadata({b"dcp_ext": json.dumps(header).encode()}))
+
+    save(sample_state(), tmp_path)
+    rewrite_index(tmp_path, mutate)
+    with pytest.raises(CheckpointError, match=message):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_corrupt_index_under_a_valid_marker_is_named(tmp_path):
+    state = sample_state()
+    save(state, tmp_path)
+    raw = bytearray((tmp_path / INDEX_NAME).read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (tmp_path / INDEX_NAME).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"\.dcp_ext_index\.parquet: (index bytes differ|unreadable index)"):
+        ShardReader(tmp_path).read_metadata()
+    (tmp_path / INDEX_NAME).unlink()  # what the message advises: .metadata alone still loads
+    assert load(state, tmp_path)[0]["w"].equal(state["w"])
+
+
+def test_directory_without_metadata_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_compressed_record_that_expands_without_bound_is_refused(tmp_path):
+    """A stream-transformed (zstd) record is decoded to at most its chunk's bytes plus the
+    record's zip entries: a hostile 16 MiB expansion of a 4-byte tensor is refused."""
+    import zstandard
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"w": torch.ones(1)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[ZStandard()]))
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (16 << 20))
+    metadata = read_metadata_pickle(tmp_path)
+    info = metadata.storage_data[next(iter(metadata.storage_data))]
+    (tmp_path / info.relative_path).write_bytes(bomb)
+    info.offset, info.length = 0, len(bomb)
+    write_metadata_pickle(tmp_path, metadata)
+    error = load_error(state, tmp_path)
+    assert isinstance(error, CorruptCheckpointError) and "'w'" in str(error) and "expand past 65540 bytes" in str(error)

@@ -1,0 +1,234 @@
+"""Object storage for real: ``s3://`` through fsspec/s3fs against moto's S3 server on loopback.
+
+The server runs in this process (``moto.server.ThreadedMotoServer``) and is started and
+stopped by the fixtures; worker processes of multi-process jobs reach it over HTTP.
+S3 has no atomic rename, so these tests also pin down the commit marker: a checkpoint
+of ours without it is refused by default, stock checkpoints (no index, no marker) load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import s3fs
+import torch
+import torch.distributed.checkpoint as dcp
+from moto import server as moto_server
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.formats.marker import MARKER_NAME
+from dcp_ext.runtime.crash import CRASH_ENV
+from dcp_ext.storage.verify import verify_checkpoint
+
+from mp import WorkerError, run_job
+from support import assert_state_dict_equal, load, sample_state, save
+
+pytestmark = [pytest.mark.mp, pytest.mark.s3]
+
+BUCKET = "dcp-ext-tests"
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1; can be killed and restarted on the same port (state kept)."""
+
+    def __init__(self) -> None:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = 0
+        self.start()
+
+    def start(self) -> None:
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.port = self.server.get_host_and_port()[1]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    @property
+    def options(self) -> dict:
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{self.port}", "region_name": "us-west-2"},
+            "config_kwargs": {"retries": {"max_attempts": 2}, "connect_timeout": 2, "read_timeout": 20},
+            "skip_instance_cache": True,
+        }
+
+    def fs(self):
+        return s3fs.S3FileSystem(**self.options)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    server.fs().mkdir(BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def url(s3) -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def test_round_trip_with_commit_marker(s3, url):
+    state = sample_state(1)
+    save(state, url, storage_options=s3.options)
+    names = {os.path.basename(p) for p in s3.fs().ls(url)}
+    assert {".metadata", MARKER_NAME} <= names and not any(n.endswith(".tmp") for n in names)
+    got, reader = load(state, url, storage_options=s3.options, verify_checksums=True)
+    assert_state_dict_equal(got, state)
+    assert reader.catalog.indexed and reader.catalog.committed
+    report = verify_checkpoint(url, storage_options=s3.options)
+    assert report.ok and report.items_checked == 6, report.faults
+
+
+def test_overwrite_on_s3_switches_whole_and_cleans_up(s3, url):
+    first, second = sample_state(1), sample_state(2)
+    save(first, url, storage_options=s3.options)
+    assert_state_dict_equal(load(first, url, storage_options=s3.options)[0], first)
+    save(second, url, storage_options=s3.options)
+    got, reader = load(second, url, storage_options=s3.options)  # cached metadata must not be served
+    assert_state_dict_equal(got, second)
+    data_files = {os.path.basename(p) for p in s3.fs().ls(url) if p.endswith(".distcp")}
+    assert data_files == {i.relative_path for i in reader.catalog.items.values()}
+
+
+def _sharded_save_job(rank: int, world: int, url: str, options: dict) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    full = _resharding_state()
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    dcp.save(state, storage_writer=ShardWriter(url, storage_options=options), planner=ShardSavePlanner())
+
+
+def _resharding_state() -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {"w": torch.randn(9, 16, generator=g), "e": torch.randn(5, 3, generator=g).to(torch.bfloat16)}
+
+
+def test_resharded_load_from_two_process_save(s3, url):
+    run_job(_sharded_save_job, 2, url, s3.options)
+    want = _resharding_state()
+    got, reader = load(want, url, storage_options=s3.options)  # one process reads both ranks' chunks
+    assert_state_dict_equal(got, want)
+    assert len({i.relative_path for i in reader.catalog.items.values()}) >= 2
+
+
+def _two_stage_load_job(rank: int, world: int, url: str, options: dict) -> int:
+    want = _resharding_state()
+    state = {k: torch.zeros_like(v) for k, v in want.items()}
+    reader = ShardReader(url, storage_options=options, two_stage=True)
+    dcp.load(state, storage_reader=reader)
+    for name, value in want.items():
+        assert torch.equal(state[name], value), name
+    return reader.stats.bytes_read
+
+
+def test_two_stage_load_from_s3_reads_each_byte_once(s3, url):
+    run_job(_sharded_save_job, 2, url, s3.options)
+    reads = run_job(_two_stage_load_job, 2, url, s3.options)  # both ranks need everything
+    unique = sum(v.numel() * v.element_size() for v in _resharding_state().values())
+    assert unique <= sum(reads) <= 1.05 * unique
+
+
+def test_stock_checkpoint_on_s3_loads_without_a_marker(s3, url):
+    state = {k: v for k, v in sample_state(4).items() if isinstance(v, torch.Tensor)}
+    dcp.save(state, storage_writer=FsspecWriter(url, **s3.options))
+    got, reader = load(state, url, storage_options=s3.options)
+    assert_state_dict_equal(got, state)
+    assert not reader.catalog.indexed and reader.catalog.committed
+
+
+def test_checkpoint_without_marker_is_refused_unless_opted_out(s3, url):
+    state = sample_state(5)
+    save(state, url, storage_options=s3.options)
+    s3.fs().rm_file(f"{url}/{MARKER_NAME}")
+    with pytest.raises(CheckpointError, match=r"not committed.*require_commit_marker=False"):
+        ShardReader(url, storage_options=s3.options).read_metadata()
+    report = verify_checkpoint(url, storage_options=s3.options)
+    assert not report.ok and "not committed" in report.faults[0]
+    assert_state_dict_equal(load(state, url, storage_options=s3.options, require_commit_marker=False)[0], state)
+
+
+def _crashing_save_job(rank: int, world: int, url: str, options: dict, seed: int, phase: str) -> None:
+    os.environ[CRASH_ENV] = phase
+    save(sample_state(seed), url, storage_options=options)
+
+
+@pytest.mark.parametrize(
+    "phase, outcome",
+    [("after-data", "old"), ("after-index", "old"), ("before-marker", "uncommitted-new")],
+)
+def test_client_killed_mid_commit_on_s3(s3, url, phase, outcome):
+    """No atomic rename: before the marker lands, the new checkpoint is not loadable by default."""
+    old, new = sample_state(1), sample_state(2)
+    save(old, url, storage_options=s3.options)
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        run_job(_crashing_save_job, 1, url, s3.options, 2, phase)
+    if outcome == "old":
+        assert_state_dict_equal(load(old, url, storage_options=s3.options, cache_metadata=False)[0], old)
+    else:
+        with pytest.raises(CheckpointError, match="not committed"):
+            ShardReader(url, storage_options=s3.options, cache_metadata=False).read_metadata()
+        opted_out = load(new, url, storage_options=s3.options, cache_metadata=False, require_commit_marker=False)[0]
+        assert_state_dict_equal(opted_out, new)  # every data file was written before .metadata
+    fresh = sample_state(3)
+    save(fresh, url, storage_options=s3.options)
+    assert_state_dict_equal(load(fresh, url, storage_options=s3.options, cache_metadata=False)[0], fresh)
+
+
+def _big_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(128, 512, generator=g) for i in range(24)}  # 6 MiB in 24 records
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["empty", "over-checkpoint"])
+@pytest.mark.parametrize("objects_before_kill", [1, 3])
+def test_server_killed_mid_save_leaves_no_loadable_half_checkpoint(s3, url, existing, objects_before_kill):
+    old = _big_state(1)
+    if existing:
+        save(old, url, storage_options=s3.options, thread_count=4)
+    before = set(s3.fs().ls(url)) if existing else set()
+    errors: list[BaseException] = []
+
+    def run_save() -> None:
+        try:
+            save(_big_state(2), url, storage_options=s3.options, thread_count=4)
+        except BaseException as exc:  # the save must fail once the server is gone
+            errors.append(exc)
+
+    writer = threading.Thread(target=run_save)
+    writer.start()
+    watcher, deadline = s3.fs(), time.time() + 60
+    while time.time() < deadline:
+        watcher.invalidate_cache()
+        new_objects = set(watcher.ls(url)) - before if watcher.exists(url) else set()
+        if len(new_objects) >= objects_before_kill or not writer.is_alive():
+            break
+        time.sleep(0.005)
+    s3.stop()
+    writer.join(120)
+    s3.start()
+    assert not writer.is_alive()
+    if not errors:
+        pytest.skip("the save finished before the server went down")
+    try:
+        ShardReader(url, storage_options=s3.options, cache_metadata=False).read_metadata()
+    except CheckpointError as exc:  # killed before .metadata (empty dir), or between it and the marker
+        if "not committed" in str(exc):  # .metadata landed: the new checkpoint is whole, just unmarked
+            new = _big_state(2)
+            assert_state_dict_equal(load(new, url, storage_options=s3.options, require_commit_marker=False)[0], new)
+        else:
+            assert not existing and "no committed checkpoint" in str(exc), exc
+        return
+    got = load(old, url, storage_options=s3.options, cache_metadata=False)[0]
+    is_old = existing and torch.equal(got["layer0"], old["layer0"])  # killed before .metadata
+    assert_state_dict_equal(got, old if is_old else _big_state(2))  # else killed in cleanup: new, committed

@@ -1,0 +1,132 @@
+"""Global save planning without processes: balanced dedup, validation, file balancing,
+and the numpy kernels behind them (grid tiling test, water filling)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+import dcp_ext
+from dcp_ext import CheckpointError, InvalidRequestError
+from dcp_ext.megatron import IncompleteSaveError
+from dcp_ext.planning.global_plan import _fill, _tiles
+from dcp_ext.storage.writer import item_nbytes, split_by_bytes
+
+from support import deduped, global_plan, shard_item
+
+
+def _item(fqn: str, nbytes: int) -> WriteItem:
+    size = torch.Size([nbytes])
+    return WriteItem(
+        index=MetadataIndex(fqn, [0]),
+        type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size([0]), size),
+            properties=TensorProperties(dtype=torch.uint8),
+            size=size,
+        ),
+    )
+
+
+def _bytes_per_rank(plans: list[SavePlan]) -> list[int]:
+    return [sum(i.tensor_storage_size() for i in p.items) for p in plans]
+
+
+def test_balanced_where_first_seen_greedy_is_not():
+    # stock DCP's first-seen greedy dedup ends 200 B vs 600 B here; 400/400 is possible
+    plans = [
+        SavePlan([_item("r1", 200), _item("r2", 200)]),
+        SavePlan([_item("r1", 200), _item("r2", 200), _item("own", 400)]),
+    ]
+    written = deduped(plans)
+    assert _bytes_per_rank(written) == [400, 400]
+
+
+def test_every_item_written_exactly_once_by_a_holder():
+    plans = [SavePlan([_item(f"t{k}", 10 * (k + 1)) for k in range(r, 12)]) for r in range(4)]
+    written = deduped(plans)
+    names = [i.index.fqn for p in written for i in p.items]
+    assert sorted(names) == sorted(f"t{k}" for k in range(12))
+    for rank, plan in enumerate(written):
+        assert all(int(i.index.fqn[1:]) >= rank for i in plan.items)  # only holders write
+    loads = _bytes_per_rank(written)
+    assert max(loads) - min(loads) <= 120
+
+
+def test_an_invalid_global_plan_is_a_checkpoint_error_and_a_value_error():
+    """Chunks that leave part of a tensor unsaved: DCP raises ValueError, we a subclass of both."""
+    plans = [SavePlan([shard_item("w", [0], [3], [8])]), SavePlan([shard_item("w", [4], [4], [8])])]
+    with pytest.raises(InvalidRequestError, match="Failed to validate global plan") as info:
+        global_plan(plans)
+    assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
+
+
+def test_every_public_error_derives_from_checkpoint_error():
+    errors = [getattr(dcp_ext, n) for n in dcp_ext.__all__ if n.endswith("Error")] + [IncompleteSaveError]
+    assert {e.__name__ for e in errors} >= {"CheckpointError", "InvalidRequestError", "ReplicaMismatchError"}
+    for error in errors:
+        assert issubclass(error, dcp_ext.CheckpointError), error
+    assert issubclass(dcp_ext.ReplicaMismatchError, ValueError)  # as before: callers may catch ValueError
+
+
+def test_a_rank_spreads_its_items_over_files_by_chunk_bytes():
+    """Each shard weighs its own bytes, not its whole tensor's (tensor_storage_size)."""
+    items = [
+        shard_item("a", [0, 0], [900, 10], [1000, 10]),
+        shard_item("a", [900, 0], [100, 10], [1000, 10]),
+        shard_item("b", [0, 0], [100, 10], [4000, 10]),
+        shard_item("c", [0, 0], [500, 10], [500, 10]),
+    ]
+    files = split_by_bytes(items, 2)
+    assert sorted(sum(item_nbytes(i) for i in f) for f in files) == [700 * 40, 900 * 40]
+
+
+# -- the numpy kernels of the coordinator's plan -------------------------------------------
+def boxes(*pairs: tuple[list[int], list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([o for o, _ in pairs]).reshape(len(pairs), -1), np.array([s for _, s in pairs]).reshape(len(pairs), -1)
+
+
+@pytest.mark.parametrize(
+    "pairs,shape,tiles",
+    [
+        ([([0, 0], [2, 3]), ([2, 0], [2, 3])], (4, 3), True),  # row shards
+        ([([0, 0], [2, 2]), ([0, 2], [2, 1]), ([2, 0], [2, 2]), ([2, 2], [2, 1])], (4, 3), True),  # a 2 x 2 grid
+        ([([2, 0], [2, 3]), ([0, 0], [2, 3])], (4, 3), True),  # any order
+        ([([0, 0], [2, 3])], (4, 3), False),  # a gap
+        ([([0, 0], [3, 3]), ([2, 0], [2, 3])], (4, 3), False),  # an overlap
+        ([([0, 0], [2, 3]), ([2, 0], [3, 3])], (4, 3), False),  # out of bounds
+        ([([0, 0], [4, 3]), ([0, 3], [2, 3]), ([2, 3], [2, 3])], (4, 6), False),  # disjoint, but no grid
+        ([([0, 0], [2, 3]), ([0, 0], [2, 3]), ([2, 0], [2, 3])], (4, 3), False),  # a duplicate
+    ],
+)
+def test_tiles_accepts_exactly_the_grids_that_cover_the_shape(pairs, shape, tiles):
+    off, size = boxes(*pairs)
+    assert _tiles(off, size, shape) is tiles
+
+
+@pytest.mark.parametrize(
+    "weights,loads",
+    [
+        ([5, 4, 3, 2, 1], [0, 0, 0]),
+        ([8, 1, 1, 1, 1], [0, 0]),
+        ([3, 3, 3, 3], [10, 0, 0]),  # the loaded member gets nothing
+        ([1] * 12, [0, 2, 4, 6]),
+        ([7], [3, 1]),
+    ],
+)
+def test_fill_levels_the_load_within_one_box_of_the_water_level(weights, loads):
+    members = np.arange(len(loads)) + 10  # rank numbers, not positions
+    load = np.zeros(20, np.int64)
+    load[members] = loads
+    weight = np.array(weights, np.int64)
+    chosen = _fill(members, weight, load)
+    assert set(chosen.tolist()) <= set(members.tolist())
+    after = load.copy()
+    np.add.at(after, chosen, weight)
+    level = (weight.sum() + sum(loads)) / len(loads)  # the level if boxes could be split
+    filled = [m for m in members.tolist() if m in chosen.tolist()]
+    assert all(after[m] <= max(level, load[m]) + weight.max() for m in members.tolist())
+    assert all(load[m] < level for m in filled)  # nobody above the level is given more

@@ -1,0 +1,105 @@
+"""Range merging without files: scatter-read runs and two-stage segments.
+
+``coalesce`` turns a task's byte ranges into scatter reads: a hole is read through into
+scratch when it is small (record headers) or small against the run, never otherwise.
+``plan_segments`` turns every rank's needs into size-capped segments, each read by one
+rank that needs it, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_ext.exchange.two_stage import SEGMENT_BYTES, Segment, plan_segments
+from dcp_ext.storage.executors import GAP_BYTES, SMALL_GAP_BYTES, coalesce
+from dcp_ext.storage.read_plan import Request
+
+
+def request(*ranges: tuple[int, int], pieces: int = 1) -> Request:
+    """A request whose ranges land in ``pieces`` buffers each (split evenly)."""
+
+    def targets() -> list[memoryview]:
+        out = []
+        for _, length in ranges:
+            step = length // pieces
+            out += [memoryview(bytearray(step if n < pieces - 1 else length - step * n)) for n in range(pieces)]
+        return out
+
+    return Request("f", "k", list(ranges), targets)
+
+
+def layout(runs: list[tuple[int, list]]) -> list[tuple[int, list[int]]]:
+    return [(offset, [b.nbytes for b in buffers]) for offset, buffers in runs]
+
+
+def test_adjacent_ranges_merge_into_one_scatter_read():
+    runs = coalesce([request((0, 100)), request((100, 50), (150, 10))])
+    assert layout(runs) == [(0, [100, 50, 10])]
+
+
+def test_a_small_hole_is_read_through_into_scratch():
+    runs = coalesce([request((0, 100)), request((100 + SMALL_GAP_BYTES, 8))])
+    assert layout(runs) == [(0, [100, SMALL_GAP_BYTES, 8])]
+
+
+def test_a_hole_over_the_small_limit_splits_a_short_run():
+    runs = coalesce([request((0, 100)), request((100 + SMALL_GAP_BYTES + 1, 8))])
+    assert layout(runs) == [(0, [100]), (100 + SMALL_GAP_BYTES + 1, [8])]
+
+
+def test_a_long_run_reads_through_holes_up_to_a_32nd_of_itself_capped():
+    run = 64 * SMALL_GAP_BYTES  # a 32nd of it: 2 small limits
+    hole = run // 32
+    assert layout(coalesce([request((0, run)), request((run + hole, 8))])) == [(0, [run, hole, 8])]
+    assert len(coalesce([request((0, run)), request((run + hole + 1, 8))])) == 2
+    huge = 64 * GAP_BYTES  # a 32nd would be 2 * GAP_BYTES: the cap holds
+    assert len(coalesce([request((0, huge)), request((huge + GAP_BYTES, 8))])) == 1
+    assert len(coalesce([request((0, huge)), request((huge + GAP_BYTES + 1, 8))])) == 2
+
+
+def test_a_range_fills_several_target_buffers_in_order():
+    runs = coalesce([request((10, 90), pieces=3)])
+    assert layout(runs) == [(10, [30, 30, 30])]
+
+
+def test_ranges_before_the_open_run_start_a_new_one():
+    runs = coalesce([request((100, 10)), request((0, 10))])  # not in file order: no negative hole
+    assert layout(runs) == [(100, [10]), (0, [10])]
+
+
+def test_overlapping_needs_share_one_segment_read_by_one_of_their_ranks():
+    segments = plan_segments([[("a", 0, 100)], [("a", 50, 100)], [("b", 0, 10)]])
+    assert [(s.path, s.start, s.end) for s in segments] == [("a", 0, 150), ("b", 0, 10)]
+    a, b = segments
+    assert a.reader in (0, 1) and b.reader == 2
+    assert a.wanted(0) == [(0, 100)] and a.wanted(1) == [(50, 150)] and a.wanted(2) == []
+
+
+def test_touching_ranges_stay_separate_segments():
+    segments = plan_segments([[("a", 0, 100)], [("a", 100, 100)]])
+    assert [(s.start, s.end, s.reader) for s in segments] == [(0, 100, 0), (100, 200, 1)]
+
+
+def test_large_runs_are_cut_at_the_segment_size_and_readers_balance():
+    size = 4 * SEGMENT_BYTES
+    segments = plan_segments([[("a", 0, size)], [("a", 0, size)]])
+    assert [(s.start, s.end) for s in segments] == [(n * SEGMENT_BYTES, (n + 1) * SEGMENT_BYTES) for n in range(4)]
+    assert sorted(s.reader for s in segments) == [0, 0, 1, 1]
+
+
+def test_empty_needs_make_no_segment():
+    assert plan_segments([[("a", 10, 0)], []]) == []
+
+
+@pytest.mark.parametrize(
+    "needs,want",
+    [
+        ([(0, 10), (5, 20), (30, 40)], [(0, 20), (30, 40)]),  # overlapping parts merge
+        ([(30, 40), (0, 10)], [(0, 10), (30, 40)]),  # file order
+        ([(-5, 5), (95, 200)], [(0, 5), (95, 100)]),  # clipped to the segment
+        ([(200, 300)], []),
+    ],
+)
+def test_a_segment_gives_each_rank_its_clipped_merged_parts(needs, want):
+    segment = Segment("a", 0, 100, needs={3: needs})
+    assert segment.wanted(3) == want
