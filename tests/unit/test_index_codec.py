@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.errors import CorruptCheckpointError
-from dcp_ext.formats.index import StoredItem, decode_index, encode_index
+from dcp_ext.formats.index import StoredItem, _list_values, decode_index, encode_index, ragged_take
 
 
 def chunk(offsets, sizes) -> ChunkStorageMetadata:
@@ -99,3 +100,13 @@ def test_a_flipped_byte_never_decodes_to_other_values():
         # marker's CRC of the index (checked by the reader) catches the rest
         for index, item in back.items.items():
             assert item.offset >= 0 and item.length >= 0 and item.relative_path.endswith(".distcp"), (position, item)
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [0, 3], [2], []])
+def test_list_values_of_rows_are_their_ragged_take(rows):
+    """The zero-copy slice (no other row holds values) and the gather agree."""
+    values, start, length = np.arange(100, 110), np.array([0, 2, 2, 5]), np.array([2, 0, 3, 5])
+    rows = np.array(rows, np.int64)
+    got = _list_values(values, start, length, rows, length[rows])
+    assert got.tolist() == ragged_take(values, start[rows], length[rows]).tolist()
+    assert got.tolist() == [v for r in rows.tolist() for v in values[start[r] : start[r] + length[r]].tolist()]
