@@ -39,13 +39,15 @@ GARBAGE = -7777  # no test data holds it: an unwritten destination element shows
 
 # -- data --------------------------------------------------------------------------------
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """Deterministic values of any plain dtype; integers stay clear of ``GARBAGE``."""
+    """Deterministic values of any plain dtype; narrow integers stay non-negative, clear of
+    ``GARBAGE``, wide ones (int32, int64) take both signs."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=generator).bool()
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator).to(dtype)
     high = min(torch.iinfo(dtype).max, 2**40)
-    return torch.randint(0, high, shape, generator=generator, dtype=dtype)
+    low = -high if high >= 2**31 - 1 and torch.iinfo(dtype).min < 0 else 0  # wide: GARBAGE ~never drawn
+    return torch.randint(low, high, shape, generator=generator, dtype=dtype)
 
 
 def make_globals(specs: Mapping[str, tuple], seed: int) -> dict[str, torch.Tensor]:
