@@ -20,24 +20,26 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_item_for_tensor, _create_read_items
 from torch.distributed.tensor import DTensor
 
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 
 
 def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool) -> list[ReadItem]:
     """What DCP's default local load plan holds for ``state_dict`` (same checks, same
-    errors), computed from the index's columns."""
+    messages, as ``InvalidRequestError``: both the ValueError and the RuntimeError DCP
+    raises), computed from the index's columns."""
     items: list[ReadItem] = []
     for fqn, obj in state_dict.items():
         if fqn not in keys:
-            if strict:
-                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            if strict:  # DCP's message; an InvalidRequestError is also the RuntimeError DCP raises
+                raise InvalidRequestError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
         facts = keys.facts(fqn)
         if facts is None or not isinstance(obj, torch.Tensor):
             items += _create_read_items(fqn, keys[fqn], obj)
             continue
         if facts[1] != obj.size():
-            raise ValueError(f"Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
+            raise InvalidRequestError(f"Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
         items += chunk_read_items(keys, fqn, _create_chunk_list(obj))

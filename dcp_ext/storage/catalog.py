@@ -198,8 +198,31 @@ class _MetadataFile:
         return self.data
 
 
+@dataclass
+class CatalogInputs:
+    """What a catalog is built from, as read from storage: small enough to send to other
+    ranks (``dcp_ext.storage.shared_metadata``), so one rank can read it for a group."""
+
+    signature: tuple[Any, ...]
+    index_bytes: bytes | None
+    metadata_file: _MetadataFile  # the bytes only when there is no index to decode instead
+    marker_bytes: bytes | None
+
+
+def read_catalog_inputs(location: Location) -> CatalogInputs:
+    signature = catalog_signature(location)
+    index_bytes = _read_optional(location, INDEX_NAME)
+    metadata_file = _MetadataFile.read(location, keep_bytes=index_bytes is None)
+    return CatalogInputs(signature, index_bytes, metadata_file, _read_optional(location, MARKER_NAME))
+
+
 def read_catalog(location: Location) -> Catalog:
-    """Read ``.metadata``, the index when it belongs to it, and the commit marker.
+    """Read ``.metadata``, the index when it belongs to it, and the commit marker."""
+    return catalog_from_inputs(location, read_catalog_inputs(location))
+
+
+def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
+    """Decode and check what ``read_catalog_inputs`` read.
 
     The index is used only when it records this very ``.metadata`` (size and CRC32C; an
     index of an interrupted newer save does not); a commit marker that commits this
@@ -208,14 +231,11 @@ def read_catalog(location: Location) -> Catalog:
     was interrupted or is running (checkpoints without our index are stock: committed).
     """
     source = f"{location.url}/{METADATA_NAME}"
-    signature = catalog_signature(location)
-    index_bytes = _read_optional(location, INDEX_NAME)
-    metadata_file = _MetadataFile.read(location, keep_bytes=index_bytes is None)
-    marker_bytes = _read_optional(location, MARKER_NAME)
+    index_bytes, metadata_file = inputs.index_bytes, inputs.metadata_file
     marker = None
-    if marker_bytes is not None:
+    if inputs.marker_bytes is not None:
         with contextlib.suppress(CorruptCheckpointError):  # a torn marker commits nothing
-            marker = CommitMarker.decode(marker_bytes, f"{location.url}/{MARKER_NAME}")
+            marker = CommitMarker.decode(inputs.marker_bytes, f"{location.url}/{MARKER_NAME}")
     marked = marker is not None and (marker.metadata_size, marker.metadata_crc32c) == metadata_file.facts
     indexed = None
     if index_bytes is not None:
@@ -246,7 +266,7 @@ def read_catalog(location: Location) -> Catalog:
         if not from_index:  # decode_index checked its own rows
             check_metadata(metadata, items, source, copies)
         catalog = Catalog(
-            location.url, metadata, items, indexed is not None, marked or indexed is None, signature, copies,
+            location.url, metadata, items, indexed is not None, marked or indexed is None, inputs.signature, copies,
             fingerprint=metadata_file.facts[1],
         )
     except CheckpointError:
@@ -280,6 +300,10 @@ class MetadataCache:
         files missing, so the entry may be stale in a way no signature showed."""
         if catalog.cache_key is not None:
             self._catalogs.discard(catalog.cache_key, catalog)
+
+    def peek(self, location: Location, variant: tuple[Any, ...] = ()) -> Catalog | None:
+        """The entry held for ``location`` read as ``variant``, without checking storage."""
+        return self._catalogs.get((location.cache_key(), *variant))
 
     def open(
         self,

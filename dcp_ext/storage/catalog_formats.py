@@ -81,6 +81,11 @@ def open_catalog(location: Location, cached: bool = True, options: Any = None) -
         catalog, was_read = METADATA_CACHE.open(location, read, signature, (fmt.name, *fmt.options_key(options)))
     else:
         catalog, was_read = read(location), True
+    return with_views(location, catalog, options), was_read
+
+
+def with_views(location: Location, catalog: Catalog, options: Any = None) -> Catalog:
+    """``catalog`` as a load should see it: every registered view applied."""
     for view in _VIEWS:
         catalog = view(location, catalog, options)
-    return catalog, was_read
+    return catalog

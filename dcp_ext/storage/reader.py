@@ -43,6 +43,7 @@ from dcp_ext.storage.read_plan import (
     tensor_requests,
     transformed_request,
 )
+from dcp_ext.storage.shared_metadata import open_shared_catalog
 
 if TYPE_CHECKING:
     from dcp_ext.megatron.base import MegatronOptions
@@ -85,8 +86,14 @@ class ShardReader(StorageReader):
         two_stage: read every stored byte range once per ``group`` and exchange it with
             torch.distributed (see ``dcp_ext.exchange.two_stage``); needs an initialized
             process group; applies to every format.
-        group: the process group for ``two_stage`` (default: the whole job; pass the
-            data-parallel group to mirror Megatron).
+        share_metadata: one rank of ``group`` reads the checkpoint's metadata files and
+            sends them to the others, which decode them (``dcp_ext.storage.shared_metadata``):
+            storage sees one metadata read per group instead of one per rank. Every rank of
+            the group must call ``read_metadata`` together, as ``dcp.load`` does; DCP
+            checkpoints only (ours, stock, Megatron torch_dist).
+        group: the process group of ``two_stage`` and ``share_metadata`` (default: the whole
+            job; pass the data-parallel group to mirror Megatron, or the group given to
+            ``dcp.load`` when it runs on a sub-group). Given with neither, an error.
         exchange_budget_bytes: bytes of stored data in flight per two-stage batch.
         allow_unsafe_bytes: skip the check of non-tensor (bytes) items. By default every
             one is decoded by the restricted loader before any planner sees it (DCP's
@@ -108,6 +115,7 @@ class ShardReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         megatron: MegatronOptions | None = None,
         two_stage: bool = False,
+        share_metadata: bool = False,
         group: dist.ProcessGroup | None = None,
         exchange_budget_bytes: int = DEFAULT_BUDGET_BYTES,
         on_report: ReportCallback | None = None,
@@ -122,6 +130,12 @@ class ShardReader(StorageReader):
         self.cache_metadata = cache_metadata
         self.require_commit_marker = require_commit_marker
         self.two_stage = two_stage
+        self.share_metadata = share_metadata
+        if group is not None and not (two_stage or share_metadata):
+            raise InvalidRequestError(
+                "ShardReader(group=...) is the group of two_stage=True or share_metadata=True; with neither it "
+                "would be ignored"
+            )
         self.group = group
         self.exchange_budget_bytes = exchange_budget_bytes
         self.allow_unsafe_bytes = allow_unsafe_bytes
@@ -152,12 +166,19 @@ class ShardReader(StorageReader):
         return metadata
 
     def _open_metadata(self) -> Metadata:
-        if self.two_stage and not dist.is_initialized():
-            raise InvalidRequestError(
-                f"{self.location.url}: ShardReader(two_stage=True) exchanges bytes between ranks and needs an "
-                "initialized torch.distributed process group"
-            )
-        self.catalog, was_read = open_catalog(self.location, self.cache_metadata, self.megatron)
+        for option, on, what in (
+            ("two_stage", self.two_stage, "exchanges bytes"),
+            ("share_metadata", self.share_metadata, "sends the metadata"),
+        ):
+            if on and not dist.is_initialized():
+                raise InvalidRequestError(
+                    f"{self.location.url}: ShardReader({option}=True) {what} between ranks and needs an "
+                    "initialized torch.distributed process group"
+                )
+        if self.share_metadata:
+            self.catalog, was_read = open_shared_catalog(self.location, self.group, self.cache_metadata, self.megatron)
+        else:
+            self.catalog, was_read = open_catalog(self.location, self.cache_metadata, self.megatron)
         self.stats.metadata_reads += int(was_read)
         if self.verify_checksums and not FORMATS[self.catalog.format].checksums:
             raise InvalidRequestError(

@@ -24,7 +24,7 @@ from dcp_ext.errors import InvalidRequestError
 from dcp_ext.planning.plan_cache import clear_plan_cache
 
 from mp import run_job
-from support import assert_state_dict_equal, garbage_like
+from support import assert_state_dict_equal, garbage_like, load_error, save
 
 
 class _Probe(ShardSavePlanner):
@@ -206,3 +206,15 @@ def test_an_index_in_several_row_groups_decodes_like_one(tmp_path):
 def test_group_without_plan_caching_is_refused():
     with pytest.raises(InvalidRequestError, match="group= only applies with cache_plans=True"):
         ShardSavePlanner(group=object(), cache_plans=False)
+
+
+def test_a_destination_that_does_not_fit_is_a_request_error_dcp_callers_catch(tmp_path):
+    """The column planner raises DCP's messages as InvalidRequestError: the ValueError
+    (size) and RuntimeError (missing key) DCP's planner raises, and a CheckpointError."""
+    save({"w": torch.ones(4, 3)}, tmp_path)
+    error = load_error({"w": torch.ones(4, 2)}, tmp_path)
+    assert isinstance(error, InvalidRequestError) and isinstance(error, ValueError), repr(error)
+    assert "Size mismatch between saved torch.Size([4, 3]) and current: torch.Size([4, 2]) for w" in str(error)
+    error = load_error({"w": torch.ones(4, 3), "x": torch.ones(1)}, tmp_path)
+    assert isinstance(error, InvalidRequestError) and isinstance(error, RuntimeError), repr(error)
+    assert "Missing key in checkpoint state_dict: x." in str(error)
