@@ -16,7 +16,7 @@ from dcp_ext.megatron import MegatronOptions, load_common_state
 
 from megatron_fixtures import write_legacy
 from mp import run_job
-from support import assert_tensor_equal, dtensor_load_job, load_error, load_tensors
+from support import assert_tensor_equal, dtensor_load_job, garbage_like, load_error, load_tensors
 
 QKV0 = "decoder.layers.0.self_attention.linear_qkv.weight"
 
@@ -138,7 +138,7 @@ def test_cached_source_loads_each_file_once(tmp_path, monkeypatch):
     real = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     for _ in range(2):
-        state = {QKV0: torch.zeros_like(want[QKV0])}
+        state = {QKV0: garbage_like(want[QKV0])}
         dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner())
         assert_tensor_equal(state[QKV0], want[QKV0])
     assert len(calls) == 2  # two rank files, each loaded once across both loads

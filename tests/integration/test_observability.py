@@ -32,7 +32,7 @@ from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.observe import LOAD_PHASES, SAVE_PHASES
 
 from mp import run_job
-from support import assert_tensor_equal, garbage_like
+from support import assert_tensor_equal, garbage, garbage_like
 
 pytestmark = pytest.mark.mp
 
@@ -204,7 +204,7 @@ def test_global_callback_and_log_record_once_per_rank_per_operation(observed):
 
 def test_raising_callback_is_logged_and_the_save_completes(observed):
     root, results = observed
-    loaded = {"r": torch.zeros(128, 128)}
+    loaded = {"r": garbage((128, 128))}
     dcp.load(loaded, storage_reader=ShardReader(root / "raising"), planner=ShardLoadPlanner())
     assert torch.equal(loaded["r"], _tensors()["r"])
     for rank, result in enumerate(results):

@@ -29,7 +29,7 @@ from dcp_ext.runtime.crash import CRASH_ENV
 from dcp_ext.storage.verify import verify_checkpoint
 
 from mp import WorkerError, run_job
-from support import assert_state_dict_equal, load, sample_state, save
+from support import assert_state_dict_equal, garbage_like, load, sample_state, save
 
 pytestmark = [pytest.mark.mp, pytest.mark.s3]
 
@@ -124,7 +124,7 @@ def test_resharded_load_from_two_process_save(s3, url):
 
 def _two_stage_load_job(rank: int, world: int, url: str, options: dict) -> int:
     want = _resharding_state()
-    state = {k: torch.zeros_like(v) for k, v in want.items()}
+    state = {k: garbage_like(v) for k, v in want.items()}
     reader = ShardReader(url, storage_options=options, two_stage=True)
     dcp.load(state, storage_reader=reader)
     for name, value in want.items():
