@@ -366,12 +366,18 @@ def write_results(job: Job, result: GlobalPlan) -> list[list[WriteResult]]:
     return results
 
 
-def metadata_round_trip(job: Job, result: GlobalPlan, out: dict, scratch: Path, stock_load: bool) -> None:
-    path = scratch / f"ckpt_{job.ranks}"
-    results = write_results(job, result)
+def coordinator_writer(path: Path) -> ShardWriter:
+    """A ShardWriter set up as the coordinator of a save, ready for ``finish``."""
     writer = ShardWriter(str(path), sync_files=False)
     writer.set_up_storage_writer(True, rank=0)
     writer.prepare_local_plan(SavePlan([]))
+    return writer
+
+
+def metadata_round_trip(job: Job, result: GlobalPlan, out: dict, scratch: Path, stock_load: bool) -> None:
+    path = scratch / f"ckpt_{job.ranks}"
+    results = write_results(job, result)
+    writer = coordinator_writer(path)
     with measured(out, "metadata_write"):
         writer.finish(dataclasses.replace(result.metadata), results)
     del results

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_ext import ShardReader, ShardWriter
+from dcp_ext import ShardReader
 from dcp_ext.planning.global_plan import plan_globally
 from io_throughput import Group, fmt, free_port, print_table, proc_rchar
-from plan_scale import RESULTS, TableMaker, make_job, write_results
+from plan_scale import RESULTS, TableMaker, coordinator_writer, make_job, write_results
 
 MODES = {"per rank": False, "shared": True}
 
@@ -41,10 +40,7 @@ def write_metadata(path: Path, ranks: int) -> dict[str, int]:
     """The metadata files of a ``ranks``-rank save (no data files: only metadata is read)."""
     job = make_job(TableMaker(64), ranks, "hsdp")
     result = plan_globally(job.tables, chunk_digests=job.digests, tp_ranks=job.tp_ranks)
-    writer = ShardWriter(str(path), sync_files=False)
-    writer.set_up_storage_writer(True, rank=0)
-    writer.prepare_local_plan(SavePlan([]))
-    writer.finish(dataclasses.replace(result.metadata), write_results(job, result))
+    coordinator_writer(path).finish(dataclasses.replace(result.metadata), write_results(job, result))
     return {"chunks": sum(len(m.chunks) for m in result.metadata.state_dict_metadata.values() if hasattr(m, "chunks")),
             **{p.name: p.stat().st_size for p in path.iterdir()}}
 

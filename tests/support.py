@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import fsspec
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -328,6 +330,48 @@ def digest_rows(*digests: bytes | None) -> np.ndarray:
         if d is not None:
             out[row] = np.frombuffer(d.ljust(16, b"."), np.uint64)
     return out
+
+
+# -- storage that counts what it serves ---------------------------------------------------
+class MeteredFileSystem(LocalFileSystem):
+    """The real local filesystem behind fsspec (``metered://``), counting per path the bytes
+    ranged reads return (``fetched``: ``cat_file``, which ``cat_ranges`` calls) and the bytes
+    read through opened files (``streamed``). Counts are per process."""
+
+    protocol = "metered"
+    fetched: dict[str, int] = {}
+    streamed: dict[str, int] = {}
+
+    def cat_file(self, path, start=None, end=None, **kwargs):  # noqa: ANN001, ANN201
+        data = super().cat_file(path, start=start, end=end, **kwargs)
+        self.fetched[path] = self.fetched.get(path, 0) + len(data)
+        return data
+
+    def _open(self, path, mode="rb", **kwargs):  # noqa: ANN001, ANN201
+        handle = super()._open(path, mode, **kwargs)
+        if "r" in mode:
+            read = handle.read
+
+            def counted(*args: Any) -> bytes:
+                data = read(*args)
+                self.streamed[path] = self.streamed.get(path, 0) + len(data)
+                return data
+
+            handle.read = counted
+        return handle
+
+    @classmethod
+    def served(cls, name: str) -> int:
+        """Bytes served of files called ``name``, both ways."""
+        return sum(n for counts in (cls.fetched, cls.streamed) for path, n in counts.items() if Path(path).name == name)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.fetched.clear()
+        cls.streamed.clear()
+
+
+fsspec.register_implementation("metered", MeteredFileSystem, clobber=True)
 
 
 # -- memory --------------------------------------------------------------------------------

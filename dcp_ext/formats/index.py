@@ -242,11 +242,6 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
-def ragged_within(lengths: np.ndarray) -> np.ndarray:
-    """For runs of ``lengths`` laid back to back, each element's position in its run."""
-    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-
-
 def ragged_take(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``values[starts[i] : starts[i] + lengths[i]]`` for every i, back to back.
 

@@ -210,6 +210,7 @@ class CatalogInputs:
 
 
 def read_catalog_inputs(location: Location) -> CatalogInputs:
+    """The storage half of ``read_catalog``: every read it needs, nothing decoded."""
     signature = catalog_signature(location)
     index_bytes = _read_optional(location, INDEX_NAME)
     metadata_file = _MetadataFile.read(location, keep_bytes=index_bytes is None)

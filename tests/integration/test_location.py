@@ -10,31 +10,17 @@ from __future__ import annotations
 import pickle
 import uuid
 
-import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from fsspec.implementations.local import LocalFileSystem
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import CheckpointError, InvalidRequestError
 from dcp_ext.storage.location import PART_BYTES, FsspecLocation, LocalLocation, Location
 
-
-class MeteredFileSystem(LocalFileSystem):
-    """The real local filesystem behind fsspec, counting the bytes its ranged reads
-    (``cat_file``, which ``cat_ranges`` calls) return per file."""
-
-    protocol = "metered"
-    fetched: dict[str, int] = {}  # path -> bytes returned by ranged reads
-
-    def cat_file(self, path, start=None, end=None, **kwargs):  # noqa: ANN001, ANN201
-        data = super().cat_file(path, start=start, end=end, **kwargs)
-        self.fetched[path] = self.fetched.get(path, 0) + len(data)
-        return data
+from support import MeteredFileSystem
 
 
-fsspec.register_implementation("metered", MeteredFileSystem, clobber=True)
 
 
 def test_location_picks_implementation_by_address(tmp_path) -> None:
@@ -72,7 +58,7 @@ def test_remote_runs_split_into_bounded_parts_land_exactly(tmp_path) -> None:
     big = torch.full((2 * PART_BYTES + 7,), 9, dtype=torch.uint8)  # one buffer spanning three parts
     small = [torch.full((n,), 9, dtype=torch.uint8) for n in (1, 4096, 3)]
     runs = [(5, [memoryview(big.numpy())]), (2 * PART_BYTES + 100, [memoryview(t.numpy()) for t in small])]
-    MeteredFileSystem.fetched.clear()
+    MeteredFileSystem.reset()
     with Location(f"metered://{tmp_path}").open_reader("f.bin") as reader:
         total = reader.read_runs(runs)
     assert total == big.numel() + sum(t.numel() for t in small) == sum(MeteredFileSystem.fetched.values())
@@ -91,7 +77,7 @@ def test_remote_partial_load_fetches_only_needed_bytes(tmp_path) -> None:
     url = f"metered://{tmp_path}/ckpt"
     dcp.save(state, storage_writer=ShardWriter(url, thread_count=1), planner=ShardSavePlanner())
     wanted = {k: torch.full_like(state[k], float("nan")) for k in ("w3", "w17")}
-    MeteredFileSystem.fetched.clear()
+    MeteredFileSystem.reset()
     dcp.load(wanted, storage_reader=ShardReader(url, cache_metadata=False), planner=ShardLoadPlanner())
     for key, value in wanted.items():
         assert torch.equal(value, state[key])

@@ -1,7 +1,7 @@
 """``ShardReader(share_metadata=True)``: one rank of the group reads the metadata files.
 
-Every worker reads the checkpoint through ``counted://``, the real local filesystem behind
-fsspec counting, per process, the bytes it serves of each metadata file; loads land
+Every worker reads the checkpoint through ``metered://`` (``support.MeteredFileSystem``,
+the real local filesystem behind fsspec, counting per process the bytes it serves); loads land
 bit-exact in garbage; errors reach every rank instead of leaving some waiting.
 """
 
@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 
-import fsspec
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -22,41 +20,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dcp_ext import CheckpointError, InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 
 from mp import run_job
-from support import assert_tensor_equal, garbage_like, make_globals
+from support import MeteredFileSystem, assert_tensor_equal, garbage_like, make_globals
 
 METADATA_FILES = (".metadata", ".dcp_ext_index.parquet", ".dcp_ext_commit")
 SPECS = {"w": ((12, 5), torch.float32), "b": ((7,), torch.bfloat16), "i": ((9, 2), torch.int64)}
 
 
-class CountedFileSystem(LocalFileSystem):
-    """Local files behind fsspec; ``served`` counts the bytes read of each metadata file."""
-
-    protocol = "counted"
-    served: dict[str, int] = {}
-
-    def _count(self, path: str, n: int) -> None:
-        name = os.path.basename(str(path))
-        if name in METADATA_FILES:
-            self.served[name] = self.served.get(name, 0) + n
-
-    def cat_file(self, path, start=None, end=None, **kwargs):  # noqa: ANN001, ANN201
-        data = super().cat_file(path, start=start, end=end, **kwargs)
-        self._count(path, len(data))
-        return data
-
-    def _open(self, path, mode="rb", **kwargs):  # noqa: ANN001, ANN201
-        handle = super()._open(path, mode, **kwargs)
-        if "r" in mode:
-            read = handle.read
-            handle.read = lambda *args: self._counted(path, read(*args))
-        return handle
-
-    def _counted(self, path: str, data: bytes) -> bytes:
-        self._count(path, len(data))
-        return data
-
-
-fsspec.register_implementation("counted", CountedFileSystem, clobber=True)
 
 
 def save_job(rank: int, world: int, url: str, seed: int) -> None:
@@ -71,20 +40,20 @@ def load_job(rank: int, world: int, url: str, seed: int, loads: int = 1) -> list
     want = make_globals(SPECS, seed)
     out = []
     for _ in range(loads):
-        CountedFileSystem.served.clear()
+        MeteredFileSystem.reset()
         state = {k: distribute_tensor(garbage_like(v), mesh, [Shard(0)], src_data_rank=None) for k, v in want.items()}
         reader = ShardReader(url, share_metadata=True)
         dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
         for key, value in want.items():
             expected = distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None).to_local()
             assert_tensor_equal(state[key].to_local(), expected, f"rank {rank} {key}")
-        out.append((sum(CountedFileSystem.served.values()), reader.stats.metadata_reads))
+        out.append((sum(MeteredFileSystem.served(name) for name in METADATA_FILES), reader.stats.metadata_reads))
     return out
 
 
 @pytest.mark.mp
 def test_one_rank_reads_the_metadata_and_every_rank_loads_bit_exact(tmp_path):
-    url = f"counted://{tmp_path}/ckpt"
+    url = f"metered://{tmp_path}/ckpt"
     run_job(save_job, 2, url, 1)
     first, again = zip(*run_job(load_job, 4, url, 1, 2))
     assert first[0][0] >= os.path.getsize(tmp_path / "ckpt" / ".metadata")  # rank 0 streamed .metadata
@@ -98,7 +67,7 @@ def test_one_rank_reads_the_metadata_and_every_rank_loads_bit_exact(tmp_path):
 def test_a_stock_checkpoint_is_shared_too(tmp_path):
     path = str(tmp_path / "stock")
     dcp.save(make_globals(SPECS, 3), storage_writer=dcp.FileSystemWriter(path))
-    results = run_job(load_job, 2, f"counted://{path}", 3)
+    results = run_job(load_job, 2, f"metered://{path}", 3)
     assert [r[0][0] > 0 for r in results] == [True, False]  # the pickle itself was sent
 
 
