@@ -631,6 +631,7 @@ class _KeyRows:
         self.order, bounds = _by_key(key, rows, len(keys.names))
         self.bounds = bounds
         self._off, self._size, self._starts = off, size, starts
+        self._found: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}  # a load asks for a chunk several times
 
     def rows(self, k: int) -> np.ndarray:
         return self.order[self.bounds[k] : self.bounds[k + 1]]
@@ -649,13 +650,28 @@ class _KeyRows:
 
     def find(self, k: int, offset: Any) -> np.ndarray:
         """Rows of key ``k`` whose chunk starts at ``offset`` (None: a bytes key's row)."""
-        rows = self.rows(k)
         if not self.keys.is_tensor[k]:
+            rows = self.rows(k)
             return rows if offset is None else rows[:0]
         if offset is None or len(offset) != self.keys.ndim[k]:
-            return rows[:0]
-        off, _ = self.boxes(k)
-        return rows[np.all(off == np.asarray(offset, np.int64), axis=1)]
+            return self.order[:0]
+        at = (k, tuple(offset))
+        found = self._found.get(at)
+        if found is None:
+            rows = self.rows(k)
+            if len(rows) == 1:  # most keys: one chunk, compared without a gather
+                start = int(self._starts[rows[0]])
+                found = rows if tuple(self._off[start : start + len(at[1])].tolist()) == at[1] else rows[:0]
+            else:
+                off, _ = self.boxes(k)
+                found = rows[np.all(off == np.asarray(offset, np.int64), axis=1)]
+            self._found[at] = found
+        return found
+
+    def sizes(self, k: int, row: int) -> tuple[int, ...]:
+        """The chunk sizes of row ``row`` (of tensor key ``k``)."""
+        start = int(self._starts[row])
+        return tuple(self._size[start : start + int(self.keys.ndim[k])].tolist())
 
 
 class IndexedKeys(Mapping[str, Any]):
@@ -707,6 +723,17 @@ class IndexedKeys(Mapping[str, Any]):
         if not len(rows):
             return None
         return self._rows.chunk(k, int(rows[0]))
+
+    def chunk_shape(self, fqn: str, offset: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """(dtype, sizes) of the chunk of tensor key ``fqn`` starting at ``offset``, if there
+        is one: what a read needs of it, without building DCP's objects."""
+        k = self._key_of.get(fqn)
+        if k is None or not self._keys.is_tensor[k]:
+            return None
+        rows = self._rows.find(k, offset)
+        if not len(rows):
+            return None
+        return self._keys.state[fqn].properties.dtype, self._rows.sizes(k, int(rows[0]))
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
         return dict, ({fqn: self[fqn] for fqn in self},)

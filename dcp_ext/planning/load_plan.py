@@ -11,6 +11,7 @@ chunks become ``ReadItem``s. A non-tensor value, or a bytes key, goes through DC
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,25 +47,55 @@ def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool
     return items
 
 
+PYTHON_PAIRS = 8  # up to this many (local, saved) chunk pairs a key's overlaps are found in plain Python
+
+
 def chunk_read_items(keys: IndexedKeys, fqn: str, local_chunks: list[ChunkStorageMetadata]) -> list[ReadItem]:
-    """Read items filling ``local_chunks`` of tensor key ``fqn`` from its saved chunks."""
+    """Read items filling ``local_chunks`` of tensor key ``fqn`` from its saved chunks.
+
+    A key with many saved chunks is intersected in numpy; most keys have one or a few,
+    where numpy's per-call cost (~1 us a call) would be most of the work."""
     off, size = keys.boxes(fqn)
-    end = off + size
+    if len(off) * len(local_chunks) <= PYTHON_PAIRS:
+        saved = list(zip(range(len(off)), off.tolist(), size.tolist()))
+        overlaps = (
+            (local_idx, local, row, start, first, last)
+            for local_idx, local in enumerate(local_chunks)
+            for row, start, extent in saved
+            for first, last in [_overlap(start, extent, local)]
+            if all(b > a for a, b in zip(first, last))
+        )
+    else:
+        overlaps = _numpy_overlaps(off, off + size, local_chunks)
     items = []
+    for local_idx, local, row, start, first, last in overlaps:
+        items.append(
+            _create_read_item_for_tensor(
+                dest_index=MetadataIndex(fqn, local.offsets, local_idx),
+                dest_offsets=[a - b for a, b in zip(first, local.offsets)],
+                storage_index=MetadataIndex(fqn, torch.Size(start), row),
+                storage_offsets=[a - b for a, b in zip(first, start)],
+                lengths=[b - a for a, b in zip(first, last)],
+            )
+        )
+    return items
+
+
+def _overlap(start: list[int], extent: list[int], local: ChunkStorageMetadata) -> tuple[list[int], list[int]]:
+    """(first, last) corners of a saved chunk's box intersected with a local chunk's."""
+    first = [max(a, b) for a, b in zip(start, local.offsets)]
+    last = [min(a + n, b + m) for a, n, b, m in zip(start, extent, local.offsets, local.sizes)]
+    return first, last
+
+
+def _numpy_overlaps(
+    off: np.ndarray, end: np.ndarray, local_chunks: list[ChunkStorageMetadata]
+) -> Iterator[tuple[int, ChunkStorageMetadata, int, list[int], list[int], list[int]]]:
+    """What the Python loop above yields, computed per local chunk over all saved chunks at once."""
     for local_idx, local in enumerate(local_chunks):
         start = np.asarray(local.offsets, np.int64)
         lo = np.maximum(off, start)
         hi = np.minimum(end, start + np.asarray(local.sizes, np.int64))
         hits = np.flatnonzero(np.all(hi > lo, axis=1))
-        dest = MetadataIndex(fqn, local.offsets, local_idx)
         for row, saved, first, last in zip(hits.tolist(), off[hits].tolist(), lo[hits].tolist(), hi[hits].tolist()):
-            items.append(
-                _create_read_item_for_tensor(
-                    dest_index=dest,
-                    dest_offsets=[a - b for a, b in zip(first, local.offsets)],
-                    storage_index=MetadataIndex(fqn, torch.Size(saved), row),
-                    storage_offsets=[a - b for a, b in zip(first, saved)],
-                    lengths=[b - a for a, b in zip(first, last)],
-                )
-            )
-    return items
+            yield local_idx, local, row, saved, first, last

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
@@ -89,6 +90,15 @@ class Catalog:
                     return md, chunk
         raise CheckpointError(f"{self.url}: key {index.fqn!r} has no chunk at offset {index.offset}")
 
+    def _chunk_shape(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, sizes) of the chunk an item holds; from the columns of an index load."""
+        state = self.metadata.state_dict_metadata
+        found = state.chunk_shape(index.fqn, index.offset) if isinstance(state, IndexedKeys) else None
+        if found is not None:
+            return found
+        md, chunk = self.chunk(index)
+        return md.properties.dtype, tuple(chunk.sizes)
+
     def _tensor(self, fqn: str) -> TensorStorageMetadata:
         """A tensor key's facts without its chunk list (an index load builds that on demand)."""
         facts = self.metadata.state_dict_metadata.facts(fqn)  # type: ignore[attr-defined]
@@ -123,10 +133,8 @@ class Catalog:
         """
         item = item or self.item(index)
         if item.payload_offset >= 0:
-            md, chunk = self.chunk(index)
-            shape = tuple(chunk.sizes)
-            nbytes = numel(shape) * md.properties.dtype.itemsize
-            return TensorLayout(item.payload_offset - item.offset, nbytes, md.properties.dtype, shape,
+            dtype, shape = self._chunk_shape(index)
+            return TensorLayout(item.payload_offset - item.offset, numel(shape) * dtype.itemsize, dtype, shape,
                                 contiguous_strides(shape), 0, None)
         with self._lock:
             return self._layouts.get(index)

@@ -34,6 +34,10 @@ SLAB_BYTES = 32 << 20  # largest temporary buffer one request may allocate
 SMALL_RUN_BYTES = 4096  # runs below this are read as one span and copied with strides
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class Request:
     """Bytes to read from one file and what to do once they have landed."""
@@ -42,7 +46,7 @@ class Request:
     key: str
     ranges: list[tuple[int, int]]  # (file offset, length), ascending and disjoint
     targets: Callable[[], list[Target]]  # allocated when the request runs
-    complete: Callable[[], None] = lambda: None  # verify / copy into the destination
+    complete: Callable[[], None] = _nothing  # verify / copy into the destination
     device: torch.device | None = None  # set: targets are DeviceSpans, filled through host staging
 
     @property
@@ -217,6 +221,11 @@ def tensor_requests(
         return []
     device = dest.device if staged or dest.device.type != "cpu" else None
     base = item.offset + layout.payload_offset
+    if device is None and not verify and box_lengths == layout.shape and layout.is_row_major():
+        if _direct_capable(dest, layout.dtype) and dest.is_contiguous():  # the common case, kept cheap
+            start = base + layout.storage_offset * layout.dtype.itemsize
+            resolve = (lambda: layout.resolve_in_place(dest)) if layout.conj or layout.neg else _nothing
+            return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
     box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
     if verify and (item.checksum is not None or layout.payload_crc32 is not None):
         return [_verified_request(item, box, where)]

@@ -250,8 +250,8 @@ class ShardReader(StorageReader):
         stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
         self._check_files(plan.items, stored)
         layouts = self._layouts(catalog, plan.items, stored)
-        for read_item, record in zip(plan.items, stored):
-            requests.extend(self._plan_item(catalog, read_item, record, planner, layouts, commits))
+        for read_item, record, layout in zip(plan.items, stored, layouts):
+            requests.extend(self._plan_item(catalog, read_item, record, layout, planner, commits))
 
     def _finish_read(self, plan: LoadPlan, bytes_read: int, files: set[str], started: float) -> Future[None]:
         self.stats.bytes_read += bytes_read
@@ -336,14 +336,18 @@ class ShardReader(StorageReader):
                     f"{self._where(path, key)}: item needs bytes up to {end} but the file has {size} bytes (truncated?)"
                 )
 
-    def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> dict[Any, TensorLayout]:
-        """Tensor layouts for the plan; stock records are parsed in parallel, once."""
-        layouts: dict[Any, TensorLayout | None] = {}
+    def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
+        """The tensor layout of each plan item's record (None: read whole, a bytes item or a
+        transformed record); stock records are parsed in parallel, once each."""
+        layouts: list[TensorLayout | None] = []
+        missing: dict[Any, list[int]] = {}  # records whose layout the metadata does not give
         for read_item, record in zip(items, stored):
-            index = read_item.storage_index
-            if read_item.type != LoadItemType.BYTE_IO and not record.transforms and index not in layouts:
-                layouts[index] = catalog.known_layout(index, record)
-        missing = [index for index, layout in layouts.items() if layout is None]
+            layout = None
+            if read_item.type != LoadItemType.BYTE_IO and not record.transforms:
+                layout = catalog.known_layout(read_item.storage_index, record)
+                if layout is None:
+                    missing.setdefault(read_item.storage_index, []).append(len(layouts))
+            layouts.append(layout)
 
         def probe(index: Any) -> TensorLayout:
             try:
@@ -353,21 +357,22 @@ class ShardReader(StorageReader):
 
         if missing:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp_ext-probe") as pool:
-                for index, layout in zip(missing, pool.map(probe, missing)):
-                    layouts[index] = layout
-        return cast(dict[Any, TensorLayout], layouts)
+                for positions, layout in zip(missing.values(), pool.map(probe, missing)):
+                    for i in positions:
+                        layouts[i] = layout
+        return layouts
 
     def _plan_item(
         self,
         catalog: Catalog,
         read_item: ReadItem,
         stored: StoredItem,
+        layout: TensorLayout | None,
         planner: LoadPlanner,
-        layouts: dict[Any, TensorLayout],
         commits: list[Callable[[], None]],
     ) -> list[Request]:
         index = read_item.storage_index
-        if index in catalog.inline:  # a bytes item the format synthesized: nothing to read
+        if catalog.inline and index in catalog.inline:  # a bytes item the format synthesized: nothing to read
             data = catalog.inline[index]
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(data)))
             return []
@@ -376,9 +381,10 @@ class ShardReader(StorageReader):
             return [self._plan_whole_record(stored, read_item, planner, where, commits)]
         dest = self._destination(read_item, planner, where)
         commits.append(lambda: planner.commit_tensor(read_item, dest))
+        assert layout is not None  # a tensor record read in place
         return tensor_requests(
             stored,
-            layouts[index],
+            layout,
             tuple(read_item.storage_offsets),
             tuple(read_item.lengths),
             dest,

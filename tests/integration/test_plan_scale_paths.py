@@ -10,12 +10,16 @@ matches the full decode.
 
 from __future__ import annotations
 
+import itertools
 import pickle
+import random
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -178,6 +182,44 @@ def test_index_decoded_per_key_plans_like_dcp_and_loads_a_resharded_subset(tmp_p
     for r in results:
         assert r["built_before_full_decode"] == [], r  # planning read columns, built no chunk objects
         assert r["equal"] is True
+
+
+def _grid_chunks(shape: torch.Size, rng: random.Random) -> list[ChunkStorageMetadata]:
+    """Local chunks of a random grid over ``shape``: every dim cut at up to two random points."""
+    cuts = [sorted({0, n, *(rng.randrange(1, n) for _ in range(rng.randrange(3)) if n > 1)}) for n in shape]
+    spans = [list(zip(c[:-1], c[1:])) for c in cuts]
+    return [
+        ChunkStorageMetadata(torch.Size([a for a, _ in box]), torch.Size([b - a for a, b in box]))
+        for box in itertools.product(*spans)
+    ]
+
+
+@pytest.mark.mp
+def test_overlaps_found_in_python_and_in_numpy_are_the_read_items_dcp_plans(tmp_path, monkeypatch):
+    """Few (local, saved) chunk pairs are intersected in Python, many in numpy; both give
+    DCP's own read items, on random local grids over the saved 4-rank layouts."""
+    from dcp_ext.formats.safe_pickle import load_metadata_pickle
+    from dcp_ext.planning import load_plan
+    from dcp_ext.storage.catalog import read_catalog
+    from dcp_ext.storage.location import Location
+
+    path = str(tmp_path / "ckpt")
+    run_job(index_save_job, 4, path)
+    keys = read_catalog(Location(path)).metadata.state_dict_metadata
+    pickled = load_metadata_pickle(open(f"{path}/.metadata", "rb").read(), path).state_dict_metadata
+    describe = lambda items: sorted(
+        (i.dest_index.index, tuple(i.dest_index.offset), i.storage_index.index, tuple(i.storage_index.offset),
+         tuple(i.dest_offsets), tuple(i.storage_offsets), tuple(i.lengths))
+        for i in items
+    )
+    rng = random.Random(5)
+    for fqn in ("w", "m", "e"):
+        for _ in range(20):
+            local = _grid_chunks(pickled[fqn].size, rng)
+            stock = describe(create_read_items_for_chunk_list(fqn, pickled[fqn], local))
+            for pairs in (0, 10**6):  # numpy only, Python only
+                monkeypatch.setattr(load_plan, "PYTHON_PAIRS", pairs)
+                assert describe(load_plan.chunk_read_items(keys, fqn, local)) == stock, (fqn, pairs, local)
 
 
 @pytest.mark.mp
