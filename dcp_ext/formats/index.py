@@ -622,6 +622,9 @@ def _canonical_values(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.
     return off[np.repeat(~cols.copy, elems)]
 
 
+FIND_MEMO_ENTRIES = 1 << 16  # chunk lookups remembered per catalog (~300 bytes each)
+
+
 class _KeyRows:
     """Rows of the index (canonical, or TP-replica copies) grouped by key, with each key's
     chunk boxes as numpy matrices on demand: the per-key view every lazy mapping reads."""
@@ -665,6 +668,8 @@ class _KeyRows:
             else:
                 off, _ = self.boxes(k)
                 found = rows[np.all(off == np.asarray(offset, np.int64), axis=1)]
+            if len(self._found) >= FIND_MEMO_ENTRIES:  # a whole-checkpoint load in one process: stay bounded
+                self._found.clear()
             self._found[at] = found
         return found
 

@@ -223,11 +223,11 @@ def tensor_requests(
         return []
     device = dest.device if staged or dest.device.type != "cpu" else None
     base = item.offset + layout.payload_offset
-    if device is None and not verify and box_lengths == layout.shape and layout.is_row_major():
-        if _direct_capable(dest, layout.dtype) and dest.is_contiguous():  # the common case, kept cheap
-            start = base + layout.storage_offset * layout.dtype.itemsize
-            resolve = (lambda: layout.resolve_in_place(dest)) if layout.conj or layout.neg else _nothing
-            return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
+    whole = device is None and not verify and box_lengths == layout.shape and layout.is_row_major()
+    if whole and _direct_capable(dest, layout.dtype) and dest.is_contiguous():  # the common case, kept cheap
+        start = base + layout.storage_offset * layout.dtype.itemsize
+        resolve = (lambda: layout.resolve_in_place(dest)) if layout.conj or layout.neg else _nothing
+        return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
     box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
     if verify and (item.checksum is not None or layout.payload_crc32 is not None):
         return [_verified_request(item, box, where)]

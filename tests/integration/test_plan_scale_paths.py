@@ -187,7 +187,7 @@ def test_index_decoded_per_key_plans_like_dcp_and_loads_a_resharded_subset(tmp_p
 def _grid_chunks(shape: torch.Size, rng: random.Random) -> list[ChunkStorageMetadata]:
     """Local chunks of a random grid over ``shape``: every dim cut at up to two random points."""
     cuts = [sorted({0, n, *(rng.randrange(1, n) for _ in range(rng.randrange(3)) if n > 1)}) for n in shape]
-    spans = [list(zip(c[:-1], c[1:])) for c in cuts]
+    spans = [list(itertools.pairwise(c)) for c in cuts]
     return [
         ChunkStorageMetadata(torch.Size([a for a, _ in box]), torch.Size([b - a for a, b in box]))
         for box in itertools.product(*spans)
@@ -206,7 +206,8 @@ def test_overlaps_found_in_python_and_in_numpy_are_the_read_items_dcp_plans(tmp_
     path = str(tmp_path / "ckpt")
     run_job(index_save_job, 4, path)
     keys = read_catalog(Location(path)).metadata.state_dict_metadata
-    pickled = load_metadata_pickle(open(f"{path}/.metadata", "rb").read(), path).state_dict_metadata
+    with open(f"{path}/.metadata", "rb") as f:
+        pickled = load_metadata_pickle(f.read(), path).state_dict_metadata
     describe = lambda items: sorted(
         (i.dest_index.index, tuple(i.dest_index.offset), i.storage_index.index, tuple(i.storage_index.offset),
          tuple(i.dest_offsets), tuple(i.storage_offsets), tuple(i.lengths))

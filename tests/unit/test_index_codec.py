@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.formats import index as index_module
 from dcp_ext.formats.index import StoredItem, _list_values, decode_index, encode_index, ragged_take
 
 
@@ -77,6 +78,22 @@ def test_lookups_follow_dcp_index_equality():
     assert back.items[MetadataIndex("w", [3, 0], index=0)].relative_path == "__1_0.distcp"  # the hint does not count
     with pytest.raises(KeyError):
         back.items[MetadataIndex("w", [1, 0])]
+
+
+def test_remembered_chunk_lookups_stay_bounded_and_right(monkeypatch):
+    """Lookups are remembered per catalog (a load asks for each chunk twice), at most
+    FIND_MEMO_ENTRIES of them: a whole-checkpoint load in one process stays bounded."""
+    monkeypatch.setattr(index_module, "FIND_MEMO_ENTRIES", 2)
+    back = decode_index(encoded()[0], "ckpt/.index")
+    keys = back.metadata.state_dict_metadata
+    for _ in range(3):
+        for offset, sizes in (([0, 0], (3, 3)), ([3, 0], (2, 3)), ([1, 0], None)):
+            found = keys.chunk_shape("w", offset)
+            assert (found and found[1]) == sizes
+            assert (MetadataIndex("w", offset) in back.items) == (sizes is not None)
+        assert keys.chunk_shape("norm", [0]) == (torch.float32, (7,))
+        assert keys.chunk_shape("step", None) is None
+        assert len(back.items._rows._found) <= 2
 
 
 @pytest.mark.parametrize("cut", [0, 8, 100, -8])
