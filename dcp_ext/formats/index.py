@@ -646,10 +646,7 @@ class _KeyRows:
 
     def chunk(self, k: int, row: int) -> ChunkStorageMetadata:
         """Row ``row`` (of tensor key ``k``) as DCP's chunk object."""
-        start, ndim = int(self._starts[row]), int(self.keys.ndim[k])
-        return ChunkStorageMetadata(
-            torch.Size(self._off[start : start + ndim].tolist()), torch.Size(self._size[start : start + ndim].tolist())
-        )
+        return ChunkStorageMetadata(torch.Size(self._values(self._off, k, row)), torch.Size(self.sizes(k, row)))
 
     def find(self, k: int, offset: Any) -> np.ndarray:
         """Rows of key ``k`` whose chunk starts at ``offset`` (None: a bytes key's row)."""
@@ -663,8 +660,7 @@ class _KeyRows:
         if found is None:
             rows = self.rows(k)
             if len(rows) == 1:  # most keys: one chunk, compared without a gather
-                start = int(self._starts[rows[0]])
-                found = rows if tuple(self._off[start : start + len(at[1])].tolist()) == at[1] else rows[:0]
+                found = rows if self._values(self._off, k, int(rows[0])) == at[1] else rows[:0]
             else:
                 off, _ = self.boxes(k)
                 found = rows[np.all(off == np.asarray(offset, np.int64), axis=1)]
@@ -675,8 +671,12 @@ class _KeyRows:
 
     def sizes(self, k: int, row: int) -> tuple[int, ...]:
         """The chunk sizes of row ``row`` (of tensor key ``k``)."""
+        return self._values(self._size, k, row)
+
+    def _values(self, column: np.ndarray, k: int, row: int) -> tuple[int, ...]:
+        """Row ``row``'s values (one per dim of tensor key ``k``) in ``column`` (offsets or sizes)."""
         start = int(self._starts[row])
-        return tuple(self._size[start : start + int(self.keys.ndim[k])].tolist())
+        return tuple(column[start : start + int(self.keys.ndim[k])].tolist())
 
 
 class IndexedKeys(Mapping[str, Any]):
@@ -721,24 +721,22 @@ class IndexedKeys(Mapping[str, Any]):
 
     def chunk(self, fqn: str, offset: Any) -> ChunkStorageMetadata | None:
         """The chunk of tensor key ``fqn`` starting at ``offset``, if there is one."""
-        k = self._key_of.get(fqn)
-        if k is None or not self._keys.is_tensor[k]:
-            return None
-        rows = self._rows.find(k, offset)
-        if not len(rows):
-            return None
-        return self._rows.chunk(k, int(rows[0]))
+        found = self._chunk_row(fqn, offset)
+        return None if found is None else self._rows.chunk(*found)
 
     def chunk_shape(self, fqn: str, offset: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """(dtype, sizes) of the chunk of tensor key ``fqn`` starting at ``offset``, if there
         is one: what a read needs of it, without building DCP's objects."""
+        found = self._chunk_row(fqn, offset)
+        return None if found is None else (self._keys.state[fqn].properties.dtype, self._rows.sizes(*found))
+
+    def _chunk_row(self, fqn: str, offset: Any) -> tuple[int, int] | None:
+        """(key, row) of the chunk of tensor key ``fqn`` starting at ``offset``, if there is one."""
         k = self._key_of.get(fqn)
         if k is None or not self._keys.is_tensor[k]:
             return None
         rows = self._rows.find(k, offset)
-        if not len(rows):
-            return None
-        return self._keys.state[fqn].properties.dtype, self._rows.sizes(k, int(rows[0]))
+        return (k, int(rows[0])) if len(rows) else None
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
         return dict, ({fqn: self[fqn] for fqn in self},)

@@ -57,16 +57,9 @@ def chunk_read_items(keys: IndexedKeys, fqn: str, local_chunks: list[ChunkStorag
     where numpy's per-call cost (~1 us a call) would be most of the work."""
     off, size = keys.boxes(fqn)
     if len(off) * len(local_chunks) <= PYTHON_PAIRS:
-        saved = list(zip(range(len(off)), off.tolist(), size.tolist()))
-        overlaps = (
-            (local_idx, local, row, start, first, last)
-            for local_idx, local in enumerate(local_chunks)
-            for row, start, extent in saved
-            for first, last in [_overlap(start, extent, local)]
-            if all(b > a for a, b in zip(first, last))
-        )
+        overlaps = _python_overlaps(off, size, local_chunks)
     else:
-        overlaps = _numpy_overlaps(off, off + size, local_chunks)
+        overlaps = _numpy_overlaps(off, size, local_chunks)
     items = []
     for local_idx, local, row, start, first, last in overlaps:
         items.append(
@@ -81,17 +74,23 @@ def chunk_read_items(keys: IndexedKeys, fqn: str, local_chunks: list[ChunkStorag
     return items
 
 
-def _overlap(start: list[int], extent: list[int], local: ChunkStorageMetadata) -> tuple[list[int], list[int]]:
-    """(first, last) corners of a saved chunk's box intersected with a local chunk's."""
-    first = [max(a, b) for a, b in zip(start, local.offsets)]
-    last = [min(a + n, b + m) for a, n, b, m in zip(start, extent, local.offsets, local.sizes)]
-    return first, last
+Overlap = tuple[int, ChunkStorageMetadata, int, list[int], list[int], list[int]]  # local idx, local, row, start, first, last
 
 
-def _numpy_overlaps(
-    off: np.ndarray, end: np.ndarray, local_chunks: list[ChunkStorageMetadata]
-) -> Iterator[tuple[int, ChunkStorageMetadata, int, list[int], list[int], list[int]]]:
-    """What the Python loop above yields, computed per local chunk over all saved chunks at once."""
+def _python_overlaps(off: np.ndarray, size: np.ndarray, local_chunks: list[ChunkStorageMetadata]) -> Iterator[Overlap]:
+    """Each (local chunk, saved row) pair whose boxes intersect, with the intersection's corners."""
+    saved = list(zip(off.tolist(), size.tolist()))
+    for local_idx, local in enumerate(local_chunks):
+        for row, (start, extent) in enumerate(saved):
+            first = [max(a, b) for a, b in zip(start, local.offsets)]
+            last = [min(a + n, b + m) for a, n, b, m in zip(start, extent, local.offsets, local.sizes)]
+            if all(b > a for a, b in zip(first, last)):
+                yield local_idx, local, row, start, first, last
+
+
+def _numpy_overlaps(off: np.ndarray, size: np.ndarray, local_chunks: list[ChunkStorageMetadata]) -> Iterator[Overlap]:
+    """What ``_python_overlaps`` yields, computed per local chunk over all saved chunks at once."""
+    end = off + size
     for local_idx, local in enumerate(local_chunks):
         start = np.asarray(local.offsets, np.int64)
         lo = np.maximum(off, start)
