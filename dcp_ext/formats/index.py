@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.data_files import check_relative_name
-from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
+from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts
+from dcp_ext.formats.index_checks import INT64_MAX, KeyChecks, KeyGroups, chunk_boxes
 from dcp_ext.runtime.gc_pause import gc_paused
 
 INDEX_NAME = ".dcp_ext_index.parquet"
@@ -57,6 +58,9 @@ _SCHEMA = pa.schema(
         ("transforms", pa.dictionary(pa.int32(), pa.string())),  # DCP stream transforms, ","-joined; null: none
     ]
 )
+# What a read decodes: the per-row dtype is for other readers of the file (a key's dtype
+# is in the header's tensor facts).
+_READ_SCHEMA = pa.schema([field for field in _SCHEMA if field.name != "dtype"])
 
 
 class StoredItem(NamedTuple):
@@ -252,39 +256,57 @@ def ragged_take(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> 
     return values[shift]
 
 
-def _list_values(values: np.ndarray, start: np.ndarray, length: np.ndarray, rows: np.ndarray, elems: np.ndarray) -> np.ndarray:
-    """The list values of ``rows`` back to back, ``elems`` each (already checked equal to
-    ``length[rows]``). Arrow lays list values out in row order, so when no other row holds
-    any, they are one slice of the value buffer: no copy."""
-    if len(rows) and not length.sum() - elems.sum():
-        first = int(start[rows[0]])
-        return values[first : first + int(elems.sum())]
-    return ragged_take(values, start[rows], elems)
-
-
 def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
-    """Parse and validate index bytes from ``source`` column by column (numpy), then build
-    the DCP objects in bulk; malformed content raises CorruptCheckpointError naming the key.
-    The checks are those ``validate.check_metadata`` applies to a pickled ``.metadata``."""
+    """Parse index bytes from ``source`` column by column (numpy) and check what one pass
+    over the rows can; malformed content raises CorruptCheckpointError naming the key. A
+    key's chunks are checked when the key is first used (``index_checks``). Together these
+    are the checks ``validate.check_metadata`` applies to a pickled ``.metadata``."""
     try:
-        # One thread: read_table's dataset thread pool sometimes aborts the interpreter at
-        # exit ("terminate called without an active exception", pyarrow 26), and the
-        # index is small enough that threads buy nothing.
-        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
+        table = _read_table(pq.ParquetFile(pa.BufferReader(data)))
         header = json.loads(table.schema.metadata[_META_KEY])
         if header.get("format") != INDEX_FORMAT:
             raise ValueError(f"format {header.get('format')!r}, expected {INDEX_FORMAT!r}")
         if "copy" not in table.column_names:  # written before TP-replica copies existed
             table = table.append_column("copy", pa.array([False] * table.num_rows))
-        if "transforms" not in table.column_names:  # written before compressed records existed
-            table = table.append_column("transforms", pa.nulls(table.num_rows, _SCHEMA.field("transforms").type))
-        table = table.select(_SCHEMA.names)
-        columns = _Columns.read(table if table.schema.equals(_SCHEMA) else table.cast(_SCHEMA))
+        # no "transforms": written before compressed records existed, or not one record is compressed
+        schema = pa.schema([field for field in _READ_SCHEMA if field.name in table.column_names])
+        table = table.select(schema.names)
+        columns = _Columns.read(table if table.schema.equals(schema) else table.cast(schema))
         return _build(header, _Keys.read(header, source), columns, source)
     except CheckpointError:
         raise
     except Exception as exc:  # untrusted bytes: any decode failure is corruption
         raise CorruptCheckpointError(f"{source}: unreadable index ({type(exc).__name__}: {exc})") from None
+
+
+def _read_table(file: pq.ParquetFile) -> pa.Table:
+    """The index table, read column by column: a whole-table read holds every column's
+    decode buffers at once (+250 MB at a million chunks for 116 MB of columns); one column
+    at a time, the next reuses the last one's. The pool's free memory is handed back once,
+    at the end (after every column, later reads fault it back in: +0.2 s at a million chunks).
+    A "transforms" column whose statistics say every row is null (no compressed record) is
+    not read: the decoder takes its absence as that. One thread: read_table's dataset
+    thread pool sometimes aborts the interpreter at exit ("terminate called without an
+    active exception", pyarrow 26), and the index is small enough that threads buy nothing."""
+    schema = file.schema_arrow
+    fields = [
+        field for field in schema
+        if field.name in _READ_SCHEMA.names and not (field.name == "transforms" and _all_null(file, schema.get_field_index(field.name)))
+    ]
+    columns = [file.read(columns=[field.name], use_threads=False).column(0) for field in fields]
+    pa.default_memory_pool().release_unused()
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=schema.metadata))
+
+
+def _all_null(file: pq.ParquetFile, column: int) -> bool:
+    """Whether every row group's statistics say column ``column`` holds nulls only."""
+    meta = file.metadata
+    for group in range(meta.num_row_groups):
+        chunk = meta.row_group(group)
+        stats = chunk.column(column).statistics
+        if stats is None or not stats.has_null_count or stats.null_count != chunk.num_rows:
+            return False
+    return True
 
 
 @dataclass
@@ -296,8 +318,8 @@ class _Keys:
     is_tensor: np.ndarray  # per key
     ndim: np.ndarray
     itemsize: np.ndarray
-    shape_start: np.ndarray  # where each key's shape starts in ``shapes``
-    shapes: np.ndarray
+    shape_start: np.ndarray  # where each key's shape starts in ``extents``
+    extents: np.ndarray  # the shapes back to back, int64, capped at its range (a chunk ending past is refused anyway)
 
     @classmethod
     def read(cls, header: dict[str, Any], source: str) -> _Keys:
@@ -325,7 +347,7 @@ class _Keys:
             ndim=ndim,
             itemsize=np.array([md.properties.dtype.itemsize if t else 1 for md, t in zip(state.values(), tensor)], np.int64),
             shape_start=np.concatenate([[0], np.cumsum(ndim)[:-1]]).astype(np.int64),
-            shapes=np.array([v for shape in shapes for v in shape], dtype=np.float64),
+            extents=np.array([min(v, INT64_MAX) for shape in shapes for v in shape], dtype=np.int64),
         )
 
 
@@ -336,11 +358,11 @@ class _Columns:
     fqn: np.ndarray  # code into fqn_names
     fqn_names: list[Any]
     box_null: np.ndarray  # rows without offsets or sizes (non-tensor items)
-    off_start: np.ndarray  # each row's first element in off_values
-    off_len: np.ndarray
+    off_start: np.ndarray  # each row's first element in off_values (views of Arrow's list offsets)
+    off_end: np.ndarray
     off_values: np.ndarray
     size_start: np.ndarray
-    size_len: np.ndarray
+    size_end: np.ndarray
     size_values: np.ndarray
     file: np.ndarray  # code into file_names
     file_names: list[Any]
@@ -356,7 +378,8 @@ class _Columns:
 
     @classmethod
     def read(cls, table: pa.Table) -> _Columns:
-        col = {name: _one_array(table.column(name)) for name in _SCHEMA.names}
+        col = {name: _one_array(table.column(name)) for name in table.column_names}
+        transforms = col.get("transforms")
         off, size = col["offsets"], col["sizes"]
         off_ends, size_ends = _numpy(off.offsets), _numpy(size.offsets)
         return cls(
@@ -364,10 +387,10 @@ class _Columns:
             fqn_names=col["fqn"].dictionary.to_pylist(),
             box_null=~(_valid(off) & _valid(size)),
             off_start=off_ends[:-1],
-            off_len=np.diff(off_ends),
+            off_end=off_ends[1:],
             off_values=_numpy(off.values),
             size_start=size_ends[:-1],
-            size_len=np.diff(size_ends),
+            size_end=size_ends[1:],
             size_values=_numpy(size.values),
             file=_numpy(col["file"].indices),
             file_names=col["file"].dictionary.to_pylist(),
@@ -377,8 +400,8 @@ class _Columns:
             checksum=_values(col["checksum"], np.uint32),
             has_checksum=_valid(col["checksum"]),
             copy=_numpy(col["copy"]).astype(bool) & _valid(col["copy"]),
-            transforms=_codes_or_minus_one(col["transforms"]),
-            transform_names=col["transforms"].dictionary.to_pylist(),
+            transforms=_codes_or_minus_one(transforms, table.num_rows),
+            transform_names=[] if transforms is None else transforms.dictionary.to_pylist(),
             nulls={
                 **{name: col[name].null_count for name in ("fqn", "file", "offset", "length", "payload_offset")},
                 "box values": off.values.null_count + size.values.null_count,
@@ -400,10 +423,11 @@ def _values(array: pa.Array, dtype: type) -> np.ndarray:
     return np.frombuffer(array.buffers()[1], dtype)[array.offset : array.offset + len(array)]
 
 
-def _codes_or_minus_one(array: pa.DictionaryArray) -> np.ndarray:
-    """A dictionary column's codes, -1 where null (an all-null column may have no buffer)."""
-    if array.null_count == len(array):
-        return np.full(len(array), -1, np.int32)
+def _codes_or_minus_one(array: pa.DictionaryArray | None, rows: int) -> np.ndarray:
+    """A dictionary column's codes, -1 where null; an absent or all-null column (which
+    may have no buffer) reads as one read-only -1 broadcast over the rows."""
+    if array is None or array.null_count == len(array):
+        return np.broadcast_to(np.int32(-1), (rows,))
     return np.where(_valid(array), _values(array.indices, np.int32), -1)
 
 
@@ -412,14 +436,14 @@ def _valid(array: pa.Array) -> np.ndarray:
     thread pool can abort the interpreter at exit, see ``decode_index``)."""
     bitmap = array.buffers()[0]
     if bitmap is None or array.null_count == 0:
-        return np.ones(len(array), bool)
+        return np.broadcast_to(True, (len(array),))  # read-only: a million Trues not stored
     bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
     return bits[array.offset : array.offset + len(array)].astype(bool)
 
 
 def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> IndexedCheckpoint:
     key_of_name = {name: n for n, name in enumerate(keys.names)}
-    lookup = np.array([key_of_name.get(name, -1) for name in cols.fqn_names] + [-1], np.int64)
+    lookup = np.array([key_of_name.get(name, -1) for name in cols.fqn_names] + [-1], np.int32)
     if cols.nulls["fqn"] or cols.nulls["file"]:
         raise CorruptCheckpointError(f"{source}: index rows without a key or file name")
     for column, codes, names, lowest in (
@@ -428,15 +452,14 @@ def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> 
         ("transforms", cols.transforms, cols.transform_names, -1),  # -1: none
     ):
         _check_codes(source, column, codes, len(names), lowest)
-    key = lookup[cols.fqn] if len(cols.fqn) else np.zeros(0, np.int64)
+    key = lookup[cols.fqn] if len(cols.fqn) else np.zeros(0, np.int32)
     if np.any(key < 0):
         fqn = cols.fqn_names[cols.fqn[np.argmax(key < 0)]]
         raise CorruptCheckpointError(f"{source}: index row for {fqn!r} has no tensor or bytes entry")
     names = _RowNames(keys.names, key)
-    tensor = keys.is_tensor[key]
     _check_locations(names, cols, source)
-    off_rows, size_rows = _check_boxes(names, key, tensor, keys, cols, source)
-    return _objects(header, keys, cols, key, tensor, off_rows, size_rows, source)
+    _check_row_boxes(names, key, keys, cols, source)
+    return _objects(header, keys, cols, key, source)
 
 
 def _check_codes(source: str, column: str, codes: np.ndarray, count: int, lowest: int) -> None:
@@ -457,93 +480,64 @@ class _RowNames:
 
 
 def _check_locations(names: _RowNames, cols: _Columns, source: str) -> None:
-
-    codes, first_rows = np.unique(cols.file, return_index=True)
-    for code, row in zip(codes.tolist(), first_rows.tolist()):
-        check_relative_name(source, cols.file_names[code], names[row])
+    """Every file name is a relative path inside the checkpoint (checked per name, not per
+    row) and every row's byte range is well formed."""
+    for code, file_name in enumerate(cols.file_names):
+        try:
+            check_relative_name(source, file_name)
+        except CheckpointError:
+            users = np.flatnonzero(cols.file == code)
+            check_relative_name(source, file_name, names[int(users[0])] if len(users) else "")
     if cols.nulls["offset"] or cols.nulls["length"] or cols.nulls["payload_offset"]:
         raise CorruptCheckpointError(f"{source}: an index item has missing location fields")
     offset, length, payload = cols.offset, cols.length, cols.payload
-    bad = (offset < 0) | (length < 0) | ~((payload == -1) | ((offset <= payload) & (payload <= offset + length)))
+    # payload >= -1 and offset >= 0 where the subtraction counts: it cannot wrap
+    bad = (offset < 0) | (length < 0) | ~((payload == -1) | ((offset <= payload) & (payload - offset <= length)))
     if np.any(bad):
         row = int(np.argmax(bad))
         raise invalid_byte_range(source, names[row], int(offset[row]), int(length[row]), int(payload[row]))
 
 
-def _check_boxes(
-    names: _RowNames, key: np.ndarray, tensor: np.ndarray, keys: _Keys, cols: _Columns, source: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check every tensor row's chunk against its key's shape and its record's length;
-    return the rows' (offsets, sizes) element positions grouped for object building."""
+def _check_row_boxes(names: _RowNames, key: np.ndarray, keys: _Keys, cols: _Columns, source: str) -> None:
+    """Every tensor row holds one chunk offset and one size per dimension of its key.
+    Whether they fit the key's shape and record is checked per key, on first use
+    (``index_checks``)."""
+    tensor = keys.is_tensor[key]
     if np.any(tensor & cols.box_null):
         row = int(np.argmax(tensor & cols.box_null))
         raise CorruptCheckpointError(f"{source}: tensor {names[row]!r} has a row without offsets/sizes")
     if cols.nulls["box values"]:
         raise CorruptCheckpointError(f"{source}: an index row has a missing chunk offset or size")
     ndim = keys.ndim[key]
-    wrong = tensor & ((cols.off_len != ndim) | (cols.size_len != ndim))
+    wrong = tensor & ((cols.off_end - cols.off_start != ndim) | (cols.size_end - cols.size_start != ndim))
     if np.any(wrong):
         row = int(np.argmax(wrong))
-        raise _chunk_fault(source, names[row], cols, row, keys.state[names[row]].size)
-    rows = np.flatnonzero(tensor)
-    elems = ndim[rows]
-    off = _list_values(cols.off_values, cols.off_start, cols.off_len, rows, elems)
-    size = _list_values(cols.size_values, cols.size_start, cols.size_len, rows, elems)
-    extent = ragged_take(keys.shapes, keys.shape_start[key[rows]], elems)
-    outside = (off < 0) | (size < 0) | (off > extent - size)  # extent, size >= 0 here: no overflow
-    if np.any(outside):
-        row = int(rows[np.repeat(np.arange(len(rows)), elems)[np.argmax(outside)]])
-        raise _chunk_fault(source, names[row], cols, row, keys.state[names[row]].size)
-    numel = np.ones(len(rows), np.float64)
-    has = elems > 0
-    if np.any(has):
-        numel[has] = np.multiply.reduceat(size.astype(np.float64), (np.cumsum(elems) - elems)[has])
-    need = numel * keys.itemsize[key[rows]]
-    payload, offset, length = cols.payload[rows], cols.offset[rows], cols.length[rows]
-    plain = cols.transforms[rows] < 0  # a compressed record may be any size; decoding is bounded
-    short = plain & ((need > length) | ((payload >= 0) & (payload + need > offset + length)))
-    if np.any(short):
-        n = int(np.argmax(short))
-        row = int(rows[n])
-        raise record_too_small(
-            source, names[row], _box(cols, row)[0], int(need[n]), cols.file_names[cols.file[row]],
-            int(offset[n]), int(length[n]), int(payload[n]),
-        )
-    return off, size
+        off, size = _box(cols, row)
+        raise chunk_outside_tensor(source, names[row], off, size, keys.state[names[row]].size)
 
 
 def _box(cols: _Columns, row: int) -> tuple[list[int], list[int]]:
-    off = cols.off_values[cols.off_start[row] : cols.off_start[row] + cols.off_len[row]].tolist()
-    size = cols.size_values[cols.size_start[row] : cols.size_start[row] + cols.size_len[row]].tolist()
+    off = cols.off_values[cols.off_start[row] : cols.off_end[row]].tolist()
+    size = cols.size_values[cols.size_start[row] : cols.size_end[row]].tolist()
     return off, size
 
 
-def _chunk_fault(source: str, fqn: str, cols: _Columns, row: int, shape: torch.Size) -> CorruptCheckpointError:
-    off, size = _box(cols, row)
-    return chunk_outside_tensor(source, fqn, off, size, shape)
-
-
-def _objects(
-    header: dict[str, Any], keys: _Keys, cols: _Columns, key: np.ndarray, tensor: np.ndarray,
-    off: np.ndarray, size: np.ndarray, source: str,
-) -> IndexedCheckpoint:
-    """DCP objects for validated columns. Nothing is built per row here: a key's chunk
-    metadata is built the first time the key is asked for (``IndexedKeys``), a stored item
-    the first time its row is (``IndexedItems``, ``IndexedCopies``), so a rank pays for the
+def _objects(header: dict[str, Any], keys: _Keys, cols: _Columns, key: np.ndarray, source: str) -> IndexedCheckpoint:
+    """DCP objects for the columns. Nothing is built per row here: a key's chunk metadata
+    is built the first time the key is asked for (``IndexedKeys``), a stored item the
+    first time its row is (``IndexedItems``, ``IndexedCopies``), so a rank pays for the
     keys it loads, not for every chunk of the job."""
-    _check_unique(keys, key, tensor, off, cols, source)
-    elems = np.where(tensor, keys.ndim[key], 0)
-    starts = np.cumsum(elems) - elems  # each tensor row's first value in off/size
-    canonical = _KeyRows(keys, key, np.flatnonzero(~cols.copy), off, size, starts)
-    copied = _KeyRows(keys, key, np.flatnonzero(cols.copy), off, size, starts)
+    groups = KeyGroups.of(key, np.flatnonzero(~cols.copy), len(keys.names))
+    copy_groups = KeyGroups.of(key, np.flatnonzero(cols.copy), len(keys.names))
+    checks = KeyChecks(keys, cols, groups, source)
+    canonical = _KeyRows(keys, cols, groups, checks)
+    copied = _KeyRows(keys, cols, copy_groups, KeyChecks(keys, cols, copy_groups, source, copies_of=checks))
     made: dict[int, StoredItem] = {}
     items = IndexedItems(canonical, cols, made)
     copies = IndexedCopies(copied, cols, made)
-    held = np.diff(canonical.bounds) > 0
-    missing = np.flatnonzero(~keys.is_tensor & ~held)
+    missing = np.flatnonzero(~keys.is_tensor & (np.diff(groups.bounds) == 0))
     if len(missing):
         raise CorruptCheckpointError(f"{source}: bytes item {keys.names[missing[0]]!r} has no stored location")
-    _check_copies(keys, key, off, starts, cols, source)
     planner_data = header["planner_data"]
     meta = header["storage_meta"]
     metadata = None
@@ -558,95 +552,36 @@ def _objects(
     return IndexedCheckpoint(metadata, items, int(header["metadata_crc32c"]), int(header["metadata_size"]), copies)
 
 
-def _box_columns(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray) -> Iterator[np.ndarray]:
-    """Per row: the key, then each offset dim padded with -1 (bytes rows: -1s), one column
-    at a time (a matrix of every row would cost ~50 MB at a million chunks)."""
-    yield key
-    ndim = np.where(tensor, keys.ndim[key], 0)
-    starts = np.cumsum(ndim) - ndim
-    for d in range(int(keys.ndim.max(initial=0))):
-        has = ndim > d
-        column = np.full(len(key), -1, np.int64)
-        column[has] = off[starts[has] + d]
-        yield column
-
-
-def _box_matrix(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray) -> np.ndarray:
-    return np.column_stack(list(_box_columns(keys, key, tensor, off)))
-
-
-def _check_copies(keys: _Keys, key: np.ndarray, off: np.ndarray, starts: np.ndarray, cols: _Columns, source: str) -> None:
-    """Every TP-replica copy row copies a canonical chunk (same key and offsets), compared
-    through a 64-bit hash of each row's key and offsets (a sort of 1 M hashes, not of rows)."""
-    if not cols.copy.any():
-        return
-    code = np.zeros(len(key), np.uint64)
-    for column in _box_columns(keys, key, keys.is_tensor[key], off):
-        code = (code ^ column.astype(np.uint64)) * np.uint64(0x100000001B3) + np.uint64(0x9E3779B97F4A7C15)
-    canonical, copied = np.sort(code[~cols.copy]), code[cols.copy]
-    at = np.minimum(np.searchsorted(canonical, copied), max(len(canonical) - 1, 0))
-    found = canonical[at] == copied if len(canonical) else np.zeros(len(copied), bool)
-    orphan = np.flatnonzero(cols.copy)[~found]
-    if len(orphan):
-        fqns = sorted({keys.names[k] for k in key[orphan].tolist()})
-        raise CorruptCheckpointError(f"{source}: replica copies of {fqns[:3]} have no canonical chunk")
-
-
-def _check_unique(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, cols: _Columns, source: str) -> None:
-    """No two canonical rows may claim the same key and chunk offsets. Our writer stores
-    each key's chunks in offset order: rows that strictly increase need no sort."""
-    canonical = np.flatnonzero(~cols.copy)
-    undecided = np.ones(max(len(canonical) - 1, 0), bool)
-    descending = np.zeros_like(undecided)
-    for column in _box_columns(keys, key[canonical], tensor[canonical], _canonical_values(keys, key, tensor, off, cols)):
-        step = column[1:] - column[:-1]
-        descending |= undecided & (step < 0)
-        undecided &= step == 0
-    if not undecided.any() and not descending.any():
-        return
-    table = _box_matrix(keys, key[canonical], tensor[canonical], _canonical_values(keys, key, tensor, off, cols))
-    order = np.lexsort(table.T[::-1])
-    same = np.all(table[order[1:]] == table[order[:-1]], axis=1)
-    if np.any(same):
-        row = int(canonical[order[int(np.argmax(same))]])
-        fqn = keys.names[key[row]]
-        where = f" at offset {table[order[int(np.argmax(same))], 1 : 1 + keys.ndim[key[row]]].tolist()}" if tensor[row] else ""
-        raise CorruptCheckpointError(f"{source}: key {fqn!r} has two index rows{where}")
-
-
-def _canonical_values(keys: _Keys, key: np.ndarray, tensor: np.ndarray, off: np.ndarray, cols: _Columns) -> np.ndarray:
-    """``off`` (tensor rows' offsets back to back) restricted to the canonical rows."""
-    if not cols.copy.any():
-        return off
-    elems = np.where(tensor, keys.ndim[key], 0)
-    return off[np.repeat(~cols.copy, elems)]
-
-
 FIND_MEMO_ENTRIES = 1 << 16  # chunk lookups remembered per catalog (~300 bytes each)
 
 
 class _KeyRows:
     """Rows of the index (canonical, or TP-replica copies) grouped by key, with each key's
-    chunk boxes as numpy matrices on demand: the per-key view every lazy mapping reads."""
+    chunk boxes as numpy matrices on demand: the per-key view every lazy mapping reads.
+    A key's rows are checked (``KeyChecks``) before anything is answered from them."""
 
-    def __init__(self, keys: _Keys, key: np.ndarray, rows: np.ndarray, off: np.ndarray, size: np.ndarray, starts: np.ndarray) -> None:
+    def __init__(self, keys: _Keys, cols: _Columns, groups: KeyGroups, checks: KeyChecks) -> None:
         self.keys = keys
-        self.order, bounds = _by_key(key, rows, len(keys.names))
-        self.bounds = bounds
-        self._off, self._size, self._starts = off, size, starts
+        self._cols = cols
+        self._groups = groups
+        self.bounds = groups.bounds
+        self._checks = checks
         self._found: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}  # a load asks for a chunk several times
 
     def rows(self, k: int) -> np.ndarray:
-        return self.order[self.bounds[k] : self.bounds[k + 1]]
+        self._checks.ensure(k)
+        return self._groups.rows(k)
 
     def boxes(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, sizes) of key ``k``'s rows, (rows, ndim) int64 each."""
-        at = self._starts[self.rows(k)][:, None] + np.arange(int(self.keys.ndim[k]))
-        return self._off[at], self._size[at]
+        return chunk_boxes(self._cols, self.rows(k), int(self.keys.ndim[k]))
 
     def chunk(self, k: int, row: int) -> ChunkStorageMetadata:
         """Row ``row`` (of tensor key ``k``) as DCP's chunk object."""
-        return ChunkStorageMetadata(torch.Size(self._values(self._off, k, row)), torch.Size(self.sizes(k, row)))
+        cols = self._cols
+        return ChunkStorageMetadata(
+            torch.Size(self._values(cols.off_values, cols.off_start, k, row)), torch.Size(self.sizes(k, row))
+        )
 
     def find(self, k: int, offset: Any) -> np.ndarray:
         """Rows of key ``k`` whose chunk starts at ``offset`` (None: a bytes key's row)."""
@@ -654,13 +589,14 @@ class _KeyRows:
             rows = self.rows(k)
             return rows if offset is None else rows[:0]
         if offset is None or len(offset) != self.keys.ndim[k]:
-            return self.order[:0]
+            return self._groups.order[:0]
         at = (k, tuple(offset))
         found = self._found.get(at)
         if found is None:
             rows = self.rows(k)
             if len(rows) == 1:  # most keys: one chunk, compared without a gather
-                found = rows if self._values(self._off, k, int(rows[0])) == at[1] else rows[:0]
+                cols = self._cols
+                found = rows if self._values(cols.off_values, cols.off_start, k, int(rows[0])) == at[1] else rows[:0]
             else:
                 off, _ = self.boxes(k)
                 found = rows[np.all(off == np.asarray(offset, np.int64), axis=1)]
@@ -671,12 +607,12 @@ class _KeyRows:
 
     def sizes(self, k: int, row: int) -> tuple[int, ...]:
         """The chunk sizes of row ``row`` (of tensor key ``k``)."""
-        return self._values(self._size, k, row)
+        return self._values(self._cols.size_values, self._cols.size_start, k, row)
 
-    def _values(self, column: np.ndarray, k: int, row: int) -> tuple[int, ...]:
-        """Row ``row``'s values (one per dim of tensor key ``k``) in ``column`` (offsets or sizes)."""
-        start = int(self._starts[row])
-        return tuple(column[start : start + int(self.keys.ndim[k])].tolist())
+    def _values(self, values: np.ndarray, starts: np.ndarray, k: int, row: int) -> tuple[int, ...]:
+        """Row ``row``'s values (one per dim of tensor key ``k``) of a list column (offsets or sizes)."""
+        start = int(starts[row])
+        return tuple(values[start : start + int(self.keys.ndim[k])].tolist())
 
 
 class IndexedKeys(Mapping[str, Any]):
@@ -830,12 +766,6 @@ def _indices(rows: _KeyRows) -> Iterator[MetadataIndex]:
             continue
         for offset in torch_sizes(rows.boxes(k)[0]):
             yield _metadata_index(name, offset)
-
-
-def _by_key(key: np.ndarray, rows: np.ndarray, keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` stably sorted by key, and where each key's run starts (``keys + 1`` bounds)."""
-    order = rows[np.argsort(key[rows], kind="stable")]
-    return order, np.concatenate([[0], np.cumsum(np.bincount(key[order], minlength=keys))])
 
 
 class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):

@@ -12,6 +12,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import subprocess
 
 import pyarrow as pa
@@ -346,13 +347,21 @@ INDEX_ATTACKS = {
 }
 
 
+@pytest.mark.parametrize("planner", [ShardLoadPlanner, DefaultLoadPlanner])
 @pytest.mark.parametrize("attack", list(INDEX_ATTACKS))
-def test_index_attacks_are_refused(tmp_path, attack):
+def test_index_attacks_are_refused(tmp_path, attack, planner):
+    """Refused whichever planner asks: a fault in a row's byte range or file name when the
+    index opens, one in a key's chunks by the load that first uses the key."""
     mutate, message = INDEX_ATTACKS[attack]
-    save(sample_state(), tmp_path)
+    state = sample_state()
+    save(state, tmp_path)
     rewrite_index(tmp_path, mutate)
-    with pytest.raises(CheckpointError, match=message):
-        ShardReader(tmp_path).read_metadata()
+    try:
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()
+        error = load_error(state, tmp_path, planner(), cache_metadata=False)
+    except CheckpointError as raised:
+        error = raised
+    assert isinstance(error, CheckpointError) and re.search(message, str(error)), error
 
 
 @pytest.mark.parametrize(

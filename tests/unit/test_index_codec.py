@@ -8,9 +8,12 @@ refused as corruption, naming the source.
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -25,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats import index as index_module
-from dcp_ext.formats.index import StoredItem, _list_values, decode_index, encode_index, ragged_take
+from dcp_ext.formats.index import StoredItem, decode_index, encode_index, ragged_take
 
 
 def chunk(offsets, sizes) -> ChunkStorageMetadata:
@@ -105,25 +108,90 @@ def test_broken_bytes_are_corruption_naming_the_source(cut):
 
 
 def test_a_flipped_byte_never_decodes_to_other_values():
-    data, metadata, items, _, _ = encoded()
+    data = encoded()[0]
     for position in range(0, len(data), max(1, len(data) // 97)):
         flipped = bytearray(data)
         flipped[position] ^= 0xFF
         try:
             back = decode_index(bytes(flipped), "ckpt/.index")
+            found = dict(back.items)  # a key's rows are checked when it is first used
         except CorruptCheckpointError:
             continue
         # Parquet pages carry no checksum of their own: what decodes must be sane, and the
         # marker's CRC of the index (checked by the reader) catches the rest
-        for index, item in back.items.items():
+        for item in found.values():
             assert item.offset >= 0 and item.length >= 0 and item.relative_path.endswith(".distcp"), (position, item)
 
 
 @pytest.mark.parametrize("rows", [[0, 2, 3], [0, 3], [2], []])
-def test_list_values_of_rows_are_their_ragged_take(rows):
-    """The zero-copy slice (no other row holds values) and the gather agree."""
+def test_ragged_take_is_each_rows_values_back_to_back(rows):
     values, start, length = np.arange(100, 110), np.array([0, 2, 2, 5]), np.array([2, 0, 3, 5])
     rows = np.array(rows, np.int64)
-    got = _list_values(values, start, length, rows, length[rows])
-    assert got.tolist() == ragged_take(values, start[rows], length[rows]).tolist()
+    got = ragged_take(values, start[rows], length[rows])
     assert got.tolist() == [v for r in rows.tolist() for v in values[start[r] : start[r] + length[r]].tolist()]
+
+
+def rewritten(data: bytes, change) -> bytes:
+    """The index ``data`` with its rows (a dict of column lists) passed through ``change``."""
+    table = pq.read_table(io.BytesIO(data))
+    rows = table.to_pydict()
+    change(rows)
+    sink = io.BytesIO()
+    pq.write_table(pa.table(rows, schema=table.schema), sink)
+    return sink.getvalue()
+
+
+def test_rows_in_another_order_give_back_the_same_objects():
+    """Another writer may not group a key's rows: they are grouped on read (and gathered,
+    not sliced), with the same objects and locations."""
+    data, metadata, items, copies, _ = encoded()
+
+    def move_first_row_last(rows):  # 'w' at [0, 0] after the copy row
+        for values in rows.values():
+            values.append(values.pop(0))
+
+    back = decode_index(rewritten(data, move_first_row_last), "ckpt/.index")
+    want = metadata.state_dict_metadata
+    want["w"].chunks.reverse()  # chunks come in row order
+    assert back.metadata.state_dict_metadata == want
+    assert dict(back.items) == items and {k: list(v) for k, v in back.copies.items()} == copies
+
+
+def set_values(**changes):
+    """A change of the index rows: ``column=(row, value)`` each. Rows: 'w' [0, 0], 'w'
+    [3, 0], 'norm', 'empty', 'step', then the copy of 'norm'."""
+
+    def change(rows):
+        for column, (row, value) in changes.items():
+            rows[column][row] = value
+
+    return change
+
+
+ROW_FAULTS = {
+    "chunk outside the tensor": (set_values(sizes=(1, [3, 3])), r"'w' chunk at \[3, 0\] of size \[3, 3\] does not fit"),
+    "record too small": (set_values(length=(1, 10), payload_offset=(1, -1)), r"'w' chunk at \[3, 0\] needs 12 bytes"),
+    "two rows at one offset": (set_values(offsets=(1, [0, 0])), r"'w' has two index rows at offset \[0, 0\]"),
+}
+
+
+@pytest.mark.parametrize("fault", list(ROW_FAULTS))
+def test_a_faulty_key_is_refused_when_used_and_the_others_still_answer(fault):
+    """A key's rows are checked the first time the key is used, on every path that reads them."""
+    change, message = ROW_FAULTS[fault]
+    data, metadata, items, _, _ = encoded()
+    back = decode_index(rewritten(data, change), "ckpt/.index")
+    keys = back.metadata.state_dict_metadata
+    assert keys["norm"] == metadata.state_dict_metadata["norm"]
+    assert back.items[MetadataIndex("norm", [0])] == items[MetadataIndex("norm", [0])]
+    for use in (lambda: keys["w"], lambda: keys.boxes("w"), lambda: back.items[MetadataIndex("w", [0, 0])], lambda: dict(back.items)):
+        with pytest.raises(CorruptCheckpointError, match=message):
+            use()
+
+
+def test_a_copy_of_no_chunk_is_refused_when_copies_are_used():
+    data, _, items, _, _ = encoded()
+    back = decode_index(rewritten(data, set_values(offsets=(5, [1]), sizes=(5, [6]))), "ckpt/.index")
+    assert back.items[MetadataIndex("norm", [0])] == items[MetadataIndex("norm", [0])]  # the canonical chunk is sound
+    with pytest.raises(CorruptCheckpointError, match=r"replica copies of 'norm' have no canonical chunk"):
+        back.copies[MetadataIndex("norm", [0])]
