@@ -271,7 +271,7 @@ def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
         # no "transforms": written before compressed records existed, or not one record is compressed
         schema = pa.schema([field for field in _READ_SCHEMA if field.name in table.column_names])
         table = table.select(schema.names)
-        columns = _Columns.read(table if table.schema.equals(schema) else table.cast(schema))
+        columns = _Columns.read(table if table.schema.equals(schema) else table.cast(schema), source)
         return _build(header, _Keys.read(header, source), columns, source)
     except CheckpointError:
         raise
@@ -365,7 +365,7 @@ class _Columns:
     size_end: np.ndarray
     size_values: np.ndarray
     file: np.ndarray  # code into file_names
-    file_names: list[Any]
+    file_names: FileNames
     offset: np.ndarray
     length: np.ndarray
     payload: np.ndarray
@@ -377,7 +377,7 @@ class _Columns:
     nulls: dict[str, int]
 
     @classmethod
-    def read(cls, table: pa.Table) -> _Columns:
+    def read(cls, table: pa.Table, source: str) -> _Columns:
         col = {name: _one_array(table.column(name)) for name in table.column_names}
         transforms = col.get("transforms")
         off, size = col["offsets"], col["sizes"]
@@ -393,7 +393,7 @@ class _Columns:
             size_end=size_ends[1:],
             size_values=_numpy(size.values),
             file=_numpy(col["file"].indices),
-            file_names=col["file"].dictionary.to_pylist(),
+            file_names=FileNames(col["file"].dictionary, source),
             offset=_numpy(col["offset"]),
             length=_numpy(col["length"]),
             payload=_numpy(col["payload_offset"]),
@@ -469,6 +469,26 @@ def _check_codes(source: str, column: str, codes: np.ndarray, count: int, lowest
         raise CorruptCheckpointError(f"{source}: index column {column!r} refers past its {count} dictionary entries")
 
 
+class FileNames:
+    """The index's data-file names (a dictionary column), each made a str and checked to
+    stay inside the checkpoint the first time a row uses it: a job's index names a file
+    per rank and writer thread (131 K at 16,384 ranks), of which a rank reads a few."""
+
+    def __init__(self, names: pa.Array, source: str) -> None:
+        self._names, self._source = names, source
+        self._made: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def name(self, code: int, fqn: str) -> str:
+        """Name ``code`` (a row of key ``fqn`` uses it), or UnsafeCheckpointError."""
+        name = self._made.get(code)
+        if name is None:
+            name = self._made[code] = check_relative_name(self._source, self._names[code].as_py(), fqn)
+        return name
+
+
 class _RowNames:
     """Each row's key name, looked up when an error or a check names a row (not 1 M strings up front)."""
 
@@ -480,14 +500,8 @@ class _RowNames:
 
 
 def _check_locations(names: _RowNames, cols: _Columns, source: str) -> None:
-    """Every file name is a relative path inside the checkpoint (checked per name, not per
-    row) and every row's byte range is well formed."""
-    for code, file_name in enumerate(cols.file_names):
-        try:
-            check_relative_name(source, file_name)
-        except CheckpointError:
-            users = np.flatnonzero(cols.file == code)
-            check_relative_name(source, file_name, names[int(users[0])] if len(users) else "")
+    """Every row's byte range is well formed (its file name is checked when the row's
+    item is first built: ``FileNames``)."""
     if cols.nulls["offset"] or cols.nulls["length"] or cols.nulls["payload_offset"]:
         raise CorruptCheckpointError(f"{source}: an index item has missing location fields")
     offset, length, payload = cols.offset, cols.length, cols.payload
@@ -690,14 +704,15 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
         self._made = made  # shared with the copies: a row's item is built once
         self._cols = cols
 
-    def row_item(self, row: int) -> StoredItem:
+    def row_item(self, row: int, fqn: str) -> StoredItem:
+        """The stored item of row ``row`` (of key ``fqn``, named if its file name is unsafe)."""
         item = self._made.get(row)
         if item is None:  # a read asks for its item several times: build it once
             cols = self._cols
             checksum = cols.checksum.item(row) if cols.has_checksum.item(row) else None
             code = cols.transforms.item(row)
             item = StoredItem(
-                cols.file_names[cols.file.item(row)], cols.offset.item(row), cols.length.item(row), cols.payload.item(row),
+                cols.file_names.name(cols.file.item(row), fqn), cols.offset.item(row), cols.length.item(row), cols.payload.item(row),
                 checksum, _transform_names(cols.transform_names[code]) if code >= 0 else (),
             )
             self._made[row] = item
@@ -711,7 +726,7 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
         rows = self._found(index)
         if not len(rows):
             raise KeyError(index)
-        return self.row_item(int(rows[0]))
+        return self.row_item(int(rows[0]), index.fqn)
 
     def __contains__(self, index: object) -> bool:
         return len(self._found(index)) > 0
@@ -736,7 +751,7 @@ class IndexedCopies(Mapping[MetadataIndex, list[StoredItem]]):
         rows = self._items._found(index)
         if not len(rows):
             raise KeyError(index)
-        return [self._items.row_item(row) for row in rows.tolist()]
+        return [self._items.row_item(row, index.fqn) for row in rows.tolist()]
 
     def __contains__(self, index: object) -> bool:
         return index in self._items

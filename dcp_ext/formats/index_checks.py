@@ -136,7 +136,7 @@ class KeyChecks:
         if short.any():
             n = int(np.argmax(short))
             raise record_too_small(
-                self._source, self._fqn(key, n), off[n].tolist(), int(need[n]), cols.file_names[cols.file[int(rows[n])]],
+                self._source, self._fqn(key, n), off[n].tolist(), int(need[n]), cols.file_names.name(int(cols.file[int(rows[n])]), self._fqn(key, n)),
                 int(offset[n]), int(length[n]), int(payload[n]),
             )
         return off
