@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -243,6 +244,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         super().__init__(*args, **kwargs)
         self.allow_unsafe_bytes = allow_unsafe_bytes
         self._local_items: list[ReadItem] = []
+        self._local_shards: dict[str, torch.Tensor] = {}
 
     def create_local_plan(self) -> LoadPlan:
         keys = None if self.metadata is None else self.metadata.state_dict_metadata
@@ -251,10 +253,23 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         else:
             plan = super().create_local_plan()
         self._local_items = plan.items
+        self._local_shards: dict[str, torch.Tensor] = {}  # per load: resolve_tensor's DTensor shards
         return dataclasses.replace(plan, items=[])
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         return super().finish_plan(dataclasses.replace(new_plan, items=self._local_items))
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """DCP finds a DTensor's local shard by working out its chunk list again for every
+        read item (~45 us); the shard is taken once per key and narrowed as DCP does."""
+        fqn = read_item.dest_index.fqn
+        obj = self.state_dict.get(fqn)
+        if type(obj) is not DTensor:
+            return super().resolve_tensor(read_item)
+        local = self._local_shards.get(fqn)
+        if local is None:
+            local = self._local_shards[fqn] = obj.to_local()
+        return self.transform_tensor(read_item, local)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
