@@ -84,7 +84,7 @@ def _leader_message(location: Location, held: list[tuple[Any, ...] | None], cach
         current = catalog_signature(location)
         if cached and all(signature == current for signature in held):
             return "cached", current
-        return "inputs", read_catalog_inputs(location)
+        return "inputs", read_catalog_inputs(location).complete()
     except CheckpointError as exc:
         return "error", exc
     except Exception as exc:  # sent to every rank: a plain error of ours always pickles

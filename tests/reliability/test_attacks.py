@@ -401,6 +401,18 @@ def test_corrupt_index_under_a_valid_marker_is_named(tmp_path):
     assert load(state, tmp_path)[0]["w"].equal(state["w"])
 
 
+def test_index_without_its_metadata_is_not_a_checkpoint(tmp_path):
+    """``.metadata`` streams through its CRC on a thread while the index decodes: its
+    absence is still the error, whether or not the index decodes."""
+    save(sample_state(), tmp_path)
+    (tmp_path / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()
+    (tmp_path / INDEX_NAME).write_bytes(b"not parquet")
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()
+
+
 def test_directory_without_metadata_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
         ShardReader(tmp_path).read_metadata()
