@@ -47,8 +47,9 @@ class KeyGroups(NamedTuple):
 
 
 def row_span(rows: np.ndarray) -> slice | np.ndarray:
-    """``rows`` (ascending) as a slice when they are consecutive, as a key's rows are in
-    an index our writer wrote: columns are then read as views, not gathered."""
+    """``rows`` (ascending and distinct: then first and last tell) as a slice when they are
+    consecutive, as a key's rows are in an index our writer wrote: columns are then read
+    as views, not gathered."""
     if len(rows) and int(rows[-1]) - int(rows[0]) == len(rows) - 1:
         return slice(int(rows[0]), int(rows[-1]) + 1)
     return rows
@@ -101,8 +102,11 @@ class KeyChecks:
         single = np.flatnonzero((np.diff(groups.bounds) == 1) & keys.is_tensor)
         for nd in np.unique(keys.ndim[single]).tolist():
             of_nd = single[keys.ndim[single] == nd]
+            rows = groups.order[groups.bounds[of_nd]]
+            ascending = np.argsort(rows, kind="stable")  # row_span's precondition (another writer's row order)
+            of_nd, rows = of_nd[ascending], rows[ascending]
             shapes = keys.extents[keys.shape_start[of_nd][:, None] + np.arange(nd)]
-            self._check_rows(of_nd, groups.order[groups.bounds[of_nd]], shapes)
+            self._check_rows(of_nd, rows, shapes)
         np.frombuffer(self._done, np.uint8)[single] = 1  # one row: unique by itself
 
     def _check_key(self, k: int) -> None:

@@ -195,3 +195,24 @@ def test_a_copy_of_no_chunk_is_refused_when_copies_are_used():
     assert back.items[MetadataIndex("norm", [0])] == items[MetadataIndex("norm", [0])]  # the canonical chunk is sound
     with pytest.raises(CorruptCheckpointError, match=r"replica copies of 'norm' have no canonical chunk"):
         back.copies[MetadataIndex("norm", [0])]
+
+
+def test_one_chunk_keys_in_another_writers_row_order_are_checked_against_their_own_shapes():
+    """Keys with one chunk are checked together at open; rows in another order than the
+    keys (here b and c swapped) must still meet their own key's shape."""
+    shapes = {"a": 2, "b": 5, "c": 3, "d": 4}
+    state = {
+        fqn: TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n]), [chunk([0], [n])])
+        for fqn, n in shapes.items()
+    }
+    metadata = Metadata(state, planner_data={fqn: (fqn,) for fqn in shapes})
+    items = {MetadataIndex(fqn, [0]): StoredItem("__0_0.distcp", 100 * n, 100, -1, n) for n, fqn in enumerate(shapes)}
+    data = encode_index(metadata, items, pickle.dumps(metadata), 1)
+
+    def swap_b_and_c(rows):
+        for values in rows.values():
+            values[1], values[2] = values[2], values[1]
+
+    back = decode_index(rewritten(data, swap_b_and_c), "ckpt/.index")
+    assert dict(back.metadata.state_dict_metadata) == state
+    assert dict(back.items) == items
