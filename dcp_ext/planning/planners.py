@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
@@ -253,7 +253,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         else:
             plan = super().create_local_plan()
         self._local_items = plan.items
-        self._local_shards: dict[str, torch.Tensor] = {}  # per load: resolve_tensor's DTensor shards
+        self._local_shards = {}  # per load: resolve_tensor's DTensor shards
         return dataclasses.replace(plan, items=[])
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:

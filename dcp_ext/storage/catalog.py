@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -291,18 +291,22 @@ def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
         with contextlib.suppress(CorruptCheckpointError):  # a torn marker commits nothing
             marker = CommitMarker.decode(inputs.marker_bytes, f"{location.url}/{MARKER_NAME}")
     marked = marker is not None and (marker.metadata_size, marker.metadata_crc32c) == metadata_file.facts
-    corrupt_index = marked and index_bytes is not None and not marker.commits_index(index_bytes)
-    corrupt_index_error = CorruptCheckpointError(
-        f"{location.url}/{INDEX_NAME}: index bytes differ from what the commit marker recorded "
-        f"(corrupt); delete {INDEX_NAME} to load from {METADATA_NAME} alone"
-    )
+
+    def check_committed() -> None:
+        """A marker that commits this ``.metadata`` must commit these index bytes too."""
+        if marked and not marker.commits_index(index_bytes):
+            raise CorruptCheckpointError(
+                f"{location.url}/{INDEX_NAME}: index bytes differ from what the commit marker recorded "
+                f"(corrupt); delete {INDEX_NAME} to load from {METADATA_NAME} alone"
+            )
+
     if isinstance(decoded, CorruptCheckpointError):
-        raise corrupt_index_error if corrupt_index else decoded
+        check_committed()
+        raise decoded
     indexed = None
     if decoded is not None and (decoded.metadata_size, decoded.metadata_crc32c) == metadata_file.facts:
+        check_committed()
         indexed = decoded
-        if corrupt_index:
-            raise corrupt_index_error
     if indexed is not None and indexed.metadata is not None:
         metadata, items = indexed.metadata, indexed.items
     else:

@@ -168,3 +168,28 @@ def test_read_items_stay_on_their_rank(tmp_path):
     results = run_job(local_items_job, 2, str(tmp_path))
     assert results[0][0] == 0 and results[1][0] is None  # only the coordinator runs the global step
     assert all(read >= len(SPECS) for _, read in results), results
+
+
+# one global shape, three layouts: ShardLoadPlanner works a DTensor's chunk list out once per
+# (shape, mesh, placements), so equal shapes with other placements must not share one
+SAME_SHAPE = {"rows": Shard(0), "cols": Shard(1), "whole": Replicate()}
+
+
+def same_shape_job(rank: int, world: int, path: str, load: bool) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    glob = make_globals({name: ((6, 4), torch.float32) for name in SAME_SHAPE}, 99)
+    source = (lambda t: garbage_like(t)) if load else (lambda t: t.clone())
+    placements = SAME_SHAPE if load else {name: Shard(0) for name in SAME_SHAPE}  # saved another way
+    sd = {name: distribute_tensor(source(glob[name]), mesh, [placements[name]], src_data_rank=None) for name in SAME_SHAPE}
+    if not load:
+        dcp.save(sd, storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+        return
+    dcp.load(sd, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+    for name, placement in SAME_SHAPE.items():
+        assert_tensor_equal(sd[name].to_local(), expected_local(glob[name], mesh, placement), f"rank {rank} {name}")
+
+
+def test_dtensors_of_one_shape_with_other_placements_each_load_their_own_shard(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_job(same_shape_job, 3, path, False)
+    run_job(same_shape_job, 2, path, True)
