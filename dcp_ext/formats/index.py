@@ -12,9 +12,8 @@ the same commit before trusting the index.
 from __future__ import annotations
 
 import io
-import itertools
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, torch_sizes
 from dcp_ext.formats.data_files import check_relative_name
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts
 from dcp_ext.formats.index_checks import INT64_MAX, KeyChecks, KeyGroups, chunk_boxes
@@ -629,36 +629,15 @@ class _KeyRows:
         return tuple(values[start : start + int(self.keys.ndim[k])].tolist())
 
 
-class IndexedKeys(Mapping[str, Any]):
-    """``Metadata.state_dict_metadata`` of an index load: {fqn: TensorStorageMetadata or
-    BytesStorageMetadata}, a key's ``ChunkStorageMetadata`` list built the first time the
-    key is asked for. ``facts``/``boxes``/``chunk`` answer from the columns without building
-    the list (``ShardLoadPlanner`` plans from them). Pickles as the plain dict."""
+class IndexedKeys(ChunkListsOnDemand):
+    """``Metadata.state_dict_metadata`` of an index load, a key's chunk list built from
+    its rows the first time the key is asked for. ``facts``/``boxes``/``chunk`` answer from
+    the columns without building the list (``ShardLoadPlanner`` plans from them)."""
 
     def __init__(self, keys: _Keys, rows: _KeyRows) -> None:
+        super().__init__(keys.state, rows.boxes)
         self._keys = keys
         self._rows = rows
-        self._key_of = {name: k for k, name in enumerate(keys.names)}
-        self._built = np.zeros(len(keys.names), bool)
-
-    def __getitem__(self, fqn: str) -> Any:
-        k = self._key_of[fqn]
-        md = self._keys.state[fqn]
-        if self._keys.is_tensor[k] and not self._built[k]:
-            with gc_paused():
-                off, size = self._rows.boxes(k)
-                md.chunks = list(map(ChunkStorageMetadata, torch_sizes(off), torch_sizes(size)))
-            self._built[k] = True  # a racing thread builds the same list
-        return md
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys.names)
-
-    def __len__(self) -> int:
-        return len(self._keys.names)
-
-    def __contains__(self, fqn: object) -> bool:
-        return fqn in self._key_of
 
     def facts(self, fqn: str) -> tuple[TensorProperties, torch.Size] | None:
         """(properties, global size) of a tensor key, None for a bytes key; KeyError if absent."""
@@ -687,9 +666,6 @@ class IndexedKeys(Mapping[str, Any]):
             return None
         rows = self._rows.find(k, offset)
         return (k, int(rows[0])) if len(rows) else None
-
-    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
-        return dict, ({fqn: self[fqn] for fqn in self},)
 
 
 class IndexedItems(Mapping[MetadataIndex, StoredItem]):
@@ -820,14 +796,6 @@ def _metadata_index(fqn: str, offset: torch.Size | None) -> MetadataIndex:
     index = object.__new__(MetadataIndex)
     index.__dict__.update(fqn=fqn, offset=offset, index=None)
     return index
-
-
-def torch_sizes(values: np.ndarray) -> Iterable[torch.Size]:
-    """Rows of ``values`` as torch.Size objects; one shared object when all rows are equal
-    (the chunks of a key mostly have one size), which also keeps a pickle small."""
-    if len(values) and bool(np.all(values == values[0])):
-        return itertools.repeat(torch.Size(values[0].tolist()), len(values))
-    return map(torch.Size, values.tolist())
 
 
 def _transform_names(joined: object) -> tuple[str, ...]:

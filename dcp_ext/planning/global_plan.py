@@ -1,8 +1,11 @@
 """The coordinator's save planning over ``PlanTable`` columns, built for 10,000+ ranks.
 
 Ranks with identical tables (data-parallel replicas) form one group and are planned once.
-The distinct tables' rows are sorted once into unique chunks ("boxes"); everything after
-that is a pass over boxes, not over ranks x items:
+The distinct tables' rows are sorted once into unique chunks ("boxes"), by one stable sort
+of a 64-bit (key, offsets) code per row where chunks lie inside their tensors (a lexsort
+otherwise); everything after that is a pass over boxes or sorted rows, never a Python
+object per row. At 16,384 pure-FSDP ranks (67 M rows) what costs is memory traffic, so
+row-sized buffers are few and reused:
 
 * validation: per key, a grid test (the distinct intervals along each dim partition the
   dim and every combination occurs once) settles the common case in numpy; other layouts
@@ -13,7 +16,8 @@ that is a pass over boxes, not over ranks x items:
   a single holder has been counted, each class's boxes (largest first) fill its members up
   to a common level of bytes (``_fill``), heaviest classes first;
 * TP-replica copies (``replica_locality``) assigned the same way per TP coordinate;
-* DCP ``Metadata`` with every key's chunks in offset order.
+* DCP ``Metadata`` with every key's chunks in offset order, each key's chunk list built
+  when first asked for (``ChunkListsOnDemand``: the writer's ``finish``).
 
 Each rank gets back row numbers into its own table (``RankAssignment``), not WriteItems.
 """
@@ -21,21 +25,16 @@ Each rank gets back row numbers into its own table (``RankAssignment``), not Wri
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.errors import InvalidRequestError
-from dcp_ext.runtime.gc_pause import gc_paused
-from dcp_ext.formats.index import torch_sizes
+from dcp_ext.formats.chunk_lists import ChunkListsOnDemand
 from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
 from dcp_ext.planning.plan_table import PlanTable, TensorFacts, items_from_table, table_from_items
@@ -77,20 +76,42 @@ class _Groups:
     members: list[np.ndarray]  # ranks of each group, ascending
 
 
+class _Chunks(NamedTuple):
+    """Chunk columns of some rows: ndim, offsets and sizes (padded to the widest table)."""
+
+    ndim: np.ndarray
+    off: np.ndarray
+    size: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Rows:
-    """The distinct tables' rows, concatenated; keys interned across tables."""
+    """The distinct tables' rows one after another (row r is row r - starts[g] of table
+    g); keys interned across tables. Chunk columns stay in the tables: the fast path reads
+    them in batches (a copy is 3 GB at 16,384 pure-FSDP ranks)."""
 
     names: list[str]
     facts: list[TensorFacts | None]
     mappings: Any
-    gid: np.ndarray
-    lrow: np.ndarray
-    fqn: np.ndarray
-    ndim: np.ndarray
-    off: np.ndarray
-    size: np.ndarray
-    nbytes: np.ndarray
+    tables: list[PlanTable]
+    starts: np.ndarray  # first row of each table, then the row count
+    dims: int
+    gid: np.ndarray  # int32
+    lrow: np.ndarray  # int32
+    fqn: np.ndarray  # int32
+
+    @functools.cached_property
+    def chunks(self) -> _Chunks:
+        """Every row's chunk columns, copied out of the tables (the lexsort path only)."""
+        return _stacked(self.tables, self.dims)
+
+
+def _stacked(tables: Sequence[PlanTable], dims: int) -> _Chunks:
+    return _Chunks(
+        ndim=np.concatenate([t.ndim for t in tables] or [np.zeros(0, np.int8)]),
+        off=_stack_padded([t.offsets for t in tables], dims, 0),
+        size=_stack_padded([t.sizes for t in tables], dims, 1),
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -170,7 +191,8 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
         classes = holder_classes(groups, rows, boxes)
         load = np.zeros(ranks, np.int64)
         writer = _balance(classes, boxes.weight, load)
-        writer_row = _row_of(structure, np.arange(len(boxes.fqn)), writer)
+        row_of = _RowFinder(structure)
+        writer_row = row_of(np.arange(len(boxes.fqn)), writer)
     copy_box = copy_rank = copy_tp = np.zeros(0, np.int64)
     if tp_ranks is not None:
         with clock.phase("locality"):
@@ -180,7 +202,8 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
     with clock.phase("assign"):
         hints = np.arange(len(boxes.fqn)) - np.repeat(boxes.key_starts, boxes.key_ends - boxes.key_starts)
         written = _per_rank(ranks, writer, writer_row, hints)
-        copies = _per_rank(ranks, copy_rank, _row_of(structure, copy_box, copy_rank), copy_tp)
+        copies = _per_rank(ranks, copy_rank, row_of(copy_box, copy_rank), copy_tp)
+        del row_of
         shared_cuts = cuts or None
         assignments = [RankAssignment(w[0], w[1], c[0], c[1], shared_cuts) for w, c in zip(written, copies)]
     with clock.phase("metadata"):
@@ -225,22 +248,21 @@ def _concat(tables: list[PlanTable]) -> _Rows:
         if table.keys_digest in lookups:
             continue
         lookups[table.keys_digest] = np.fromiter(
-            (_intern(ids, facts, fqn, fact) for fqn, fact in zip(table.fqns, table.facts)), np.int64, len(table.fqns)
+            (_intern(ids, facts, fqn, fact) for fqn, fact in zip(table.fqns, table.facts)), np.int32, len(table.fqns)
         )
         if table.mappings is not None:
             mappings = {**(mappings or {}), **table.mappings}
-    dims = max((t.offsets.shape[1] for t in tables), default=1)
+    counts = np.array([len(t) for t in tables], np.int64)
     return _Rows(
         names=list(ids),
         facts=facts,
         mappings=mappings,
-        gid=np.repeat(np.arange(len(tables)), [len(t) for t in tables]),
-        lrow=np.concatenate([np.arange(len(t)) for t in tables] or [np.zeros(0, np.int64)]),
-        fqn=np.concatenate([lookups[t.keys_digest][t.fqn_id] for t in tables] or [np.zeros(0, np.int64)]),
-        ndim=np.concatenate([t.ndim for t in tables] or [np.zeros(0, np.int8)]),
-        off=_stack_padded([t.offsets for t in tables], dims, 0),
-        size=_stack_padded([t.sizes for t in tables], dims, 1),
-        nbytes=np.concatenate([t.nbytes for t in tables] or [np.zeros(0, np.int64)]),
+        tables=tables,
+        starts=np.concatenate([[0], np.cumsum(counts)]),
+        dims=max((t.offsets.shape[1] for t in tables), default=1),
+        gid=np.repeat(np.arange(len(tables), dtype=np.int32), counts),
+        lrow=np.concatenate([np.arange(len(t), dtype=np.int32) for t in tables] or [np.zeros(0, np.int32)]),
+        fqn=np.concatenate([lookups[t.keys_digest][t.fqn_id] for t in tables] or [np.zeros(0, np.int32)]),
     )
 
 
@@ -262,6 +284,8 @@ def _describe(fact: TensorFacts | None) -> str:
 
 
 def _stack_padded(arrays: list[np.ndarray], dims: int, fill: int) -> np.ndarray:
+    if all(a.shape[1] == dims for a in arrays):
+        return np.concatenate(arrays) if arrays else np.zeros((0, dims), np.int64)
     out = np.full((sum(len(a) for a in arrays), dims), fill, np.int64)
     row = 0
     for a in arrays:
@@ -271,34 +295,147 @@ def _stack_padded(arrays: list[np.ndarray], dims: int, fill: int) -> np.ndarray:
 
 
 def _unique_boxes(rows: _Rows) -> _Boxes:
-    dims = rows.off.shape[1]
-    keys = [rows.gid, *(rows.size[:, d] for d in reversed(range(dims)))]
-    keys += [*(rows.off[:, d] for d in reversed(range(dims))), rows.ndim, rows.fqn]
-    order = np.lexsort(keys)
-    matrix = np.column_stack([rows.fqn, rows.ndim, rows.off, rows.size])[order]
-    new = np.ones(len(order), bool)
-    new[1:] = np.any(matrix[1:] != matrix[:-1], axis=1)
+    order, new, chunks = _keyed_box_order(rows) or _lexsorted_box_order(rows)
     starts = np.flatnonzero(new)
-    first = order[starts]
-    fqn = rows.fqn[first]
+    fqn = rows.fqn[order[starts]]
     key_new = np.ones(len(starts), bool)
     key_new[1:] = fqn[1:] != fqn[:-1]
     key_starts = np.flatnonzero(key_new)
     tensor = np.array([rows.facts[k] is not None for k in fqn[key_starts].tolist()], bool)
+    itemsize = np.array([0 if fact is None else fact[0].dtype.itemsize for fact in rows.facts], np.int64)
     return _Boxes(
         order=order,
         box_of_sorted=np.cumsum(new) - 1,
         starts=starts,
         ends=np.append(starts[1:], len(order)),
         fqn=fqn,
-        ndim=rows.ndim[first],
-        off=rows.off[first],
-        size=rows.size[first],
-        weight=np.maximum(rows.nbytes[first], 1),
+        ndim=chunks.ndim,
+        off=chunks.off,
+        size=chunks.size,
+        weight=np.maximum(_chunk_bytes(chunks.size, chunks.ndim, itemsize[fqn]), 1),  # from the key's facts, not the rank's word
         tensor=np.repeat(tensor, np.diff(np.append(key_starts, len(starts)))),
         key_starts=key_starts,
         key_ends=np.append(key_starts[1:], len(starts)),
     )
+
+
+BoxOrder = tuple[np.ndarray, np.ndarray, _Chunks]  # rows sorted by box then group, where each box starts, the boxes' chunks
+
+
+def _lexsorted_box_order(rows: _Rows) -> BoxOrder:
+    """Rows sorted by (key, ndim, offsets, sizes, group)."""
+    chunks, dims = rows.chunks, rows.dims
+    keys = [rows.gid, *(chunks.size[:, d] for d in reversed(range(dims)))]
+    keys += [*(chunks.off[:, d] for d in reversed(range(dims))), chunks.ndim, rows.fqn]
+    order = np.lexsort(keys)
+    matrix = np.column_stack([rows.fqn, chunks.ndim, chunks.off, chunks.size])[order]
+    new = np.ones(len(order), bool)
+    new[1:] = np.any(matrix[1:] != matrix[:-1], axis=1)
+    first = order[new]
+    return order, new, _Chunks(*(column[first] for column in chunks))
+
+
+SORT_BATCH_ROWS = 1 << 20  # rows coded per pass: temporaries stay small and are reused
+
+
+def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
+    """The same order as ``_lexsorted_box_order`` from one stable sort of a 64-bit code
+    per row: (key, offsets in the key's mixed radix). A lexsort of 9 columns took 4.6 s of
+    10 at 2,048 pure-FSDP ranks; tables arrive in key order, so the stable sort mostly
+    merges sorted runs, and the boxes' chunks are decoded from the codes, not gathered.
+
+    Each dim's radix is the extent + 1 (a padding dim's extent counts as 1), so the code
+    orders exactly as the lexsort where every chunk lies inside its tensor with its key's
+    ndim. None otherwise, or where the key and offsets need more than 63 bits, or where
+    one offset has two sizes: the lexsort path sorts those for validation and refinement.
+    """
+    n, dims = len(rows.fqn), rows.dims
+    extents = np.ones((len(rows.facts), dims), np.int64)  # padding dims: [0, 1]
+    ndims = np.zeros(len(rows.facts), np.int8)
+    for k, fact in enumerate(rows.facts):
+        if fact is not None:
+            if len(fact[1]) > dims:
+                return None
+            ndims[k] = len(fact[1])
+            extents[k, : ndims[k]] = fact[1]
+    key_bits = max(int(len(rows.facts) - 1).bit_length(), 1)
+    if n == 0 or key_bits + float(np.ceil(np.log2(extents + 1.0)).sum(axis=1).max()) > 62:
+        return None
+    by_dim = [np.ascontiguousarray(extents[:, d]) for d in range(dims)]
+    # fresh memory is what these passes mostly cost at millions of rows: three row-sized
+    # buffers, each reused once its contents are spent
+    code, size_code, scratch = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    for lo_table, hi_table in _batches(rows):
+        lo, hi = int(rows.starts[lo_table]), int(rows.starts[hi_table])
+        if not _code_rows(_stacked(rows.tables[lo_table:hi_table], dims), rows.fqn[lo:hi], by_dim, ndims, 63 - key_bits, code[lo:hi], size_code[lo:hi]):
+            return None
+    order = np.argsort(code, kind="stable")
+    new = np.empty(n, bool)
+    new[0] = True
+    np.take(code, order, out=scratch)
+    np.not_equal(scratch[1:], scratch[:-1], out=new[1:])
+    np.take(size_code, order, out=scratch)
+    if np.any(np.not_equal(scratch[1:], scratch[:-1]) & ~new[1:]):
+        return None  # one offset, two sizes
+    del code, size_code
+    return order, new, _box_chunks(rows, order[new], scratch)
+
+
+def _box_chunks(rows: _Rows, first: np.ndarray, scratch: np.ndarray) -> _Chunks:
+    """The chunk columns of rows ``first`` (one per box), read batch by batch in row
+    order; ``scratch`` (a spent row-sized buffer) maps rows to boxes."""
+    box_at = scratch
+    box_at.fill(-1)
+    box_at[first] = np.arange(len(first))
+    out = _Chunks(np.empty(len(first), np.int8), np.empty((len(first), rows.dims), np.int64), np.empty((len(first), rows.dims), np.int64))
+    for lo_table, hi_table in _batches(rows):
+        lo, hi = int(rows.starts[lo_table]), int(rows.starts[hi_table])
+        local = np.flatnonzero(box_at[lo:hi] >= 0)
+        box = box_at[lo:hi][local]
+        for column, whole in zip(out, _stacked(rows.tables[lo_table:hi_table], rows.dims)):
+            column[box] = whole[local]
+    return out
+
+
+def _code_rows(chunks: _Chunks, fqn: np.ndarray, extents: list[np.ndarray], ndims: np.ndarray, key_shift: int, code: np.ndarray, size_code: np.ndarray) -> bool:
+    """Fill ``code`` with the rows' key (from bit ``key_shift``) and offsets, ``size_code``
+    with their sizes, in their keys' mixed radix (``extents[d][key]`` + 1 per dim); False
+    where a chunk is not inside its tensor or has another ndim than its key."""
+    fqn = fqn.astype(np.intp)  # once, not per take
+    if np.any(chunks.ndim != ndims.take(fqn)):
+        return False
+    code[:] = 0
+    size_code[:] = 0
+    for d, by_key in enumerate(extents):
+        extent, off, size = by_key.take(fqn), chunks.off[:, d], chunks.size[:, d]
+        # as unsigned: 0 <= size <= extent, then 0 <= off <= extent - size
+        if np.any((size.view(np.uint64) > extent.view(np.uint64)) | (off.view(np.uint64) > (extent - size).view(np.uint64))):
+            return False
+        extent += 1
+        code *= extent
+        code += off
+        size_code *= extent
+        size_code += size
+    code |= fqn.astype(np.int64) << key_shift
+    return True
+
+
+def _batches(rows: _Rows) -> Iterator[tuple[int, int]]:
+    """Runs of whole tables of about SORT_BATCH_ROWS rows, as (first table, table after)."""
+    first = 0
+    while first < len(rows.tables):
+        last = int(np.searchsorted(rows.starts, rows.starts[first] + SORT_BATCH_ROWS, "right")) - 1
+        last = min(max(last, first + 1), len(rows.tables))
+        yield first, last
+        first = last
+
+
+def _chunk_bytes(size: np.ndarray, ndim: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+    """Bytes of each chunk: its elements times its key's item size (0: a non-tensor key)."""
+    elements = np.ones(len(size), np.int64)
+    for d in range(size.shape[1]):
+        elements *= np.where(d < ndim, size[:, d], 1)
+    return elements * itemsize
 
 
 # -- validation -------------------------------------------------------------------------
@@ -373,18 +510,42 @@ def check_replicas(structure: _Structure, digests: Sequence[np.ndarray | None], 
         for rank in members[1:].tolist():
             bad = np.flatnonzero(_differ(per_rank[rank], first))
             bad_rows.append(base[group] + bad)
-    representative = np.concatenate(
-        [_padded(per_rank[m[0]], len(t)) for t, m in zip(groups.tables, groups.members)] or [empty]
-    )[boxes.order]
-    first_of_box = representative[boxes.starts][boxes.box_of_sorted]
-    bad_rows.append(boxes.order[_differ(representative, first_of_box)])
-    found = np.concatenate(bad_rows) if bad_rows else np.zeros(0, np.int64)
-    if not len(found):
-        return
+    conflicted = [_boxes_of_rows(boxes, np.concatenate(bad_rows))] if any(len(b) for b in bad_rows) else []
+    holders = boxes.ends - boxes.starts
+    shared = np.flatnonzero(holders > 1)  # boxes held by several groups: their first members compared
+    if len(shared):
+        representative = np.concatenate(
+            [d if len(d) == len(t) else _padded(d, len(t)) for d, t in ((per_rank[m[0]], t) for t, m in zip(groups.tables, groups.members))]
+        )
+        counts = holders[shared]
+        starts = np.cumsum(counts) - counts
+        positions = np.repeat(boxes.starts[shared] - starts, counts) + np.arange(int(counts.sum()))  # sorted rows of those boxes
+        conflicted.append(shared[_disagree(representative[boxes.order[positions]], starts)])
+    found = np.unique(np.concatenate(conflicted)) if conflicted else np.zeros(0, np.int64)
+    if len(found):
+        raise ReplicaMismatchError(mismatch_message([_versions(structure, per_rank, int(b)) for b in found], len(found), mesh))
+
+
+def _disagree(sorted_digests: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per box (rows ``starts[b]``.. in ``sorted_digests``), whether two of its digests
+    differ; rows without one (zero) are left out. A min and a max per box and column,
+    sequential passes: comparing each row with its box's first took 3 random gathers."""
+    absent = (sorted_digests[:, 0] | sorted_digests[:, 1]) == 0
+    differ = np.zeros(len(starts), bool)
+    buffer = np.empty(len(sorted_digests), np.uint64)
+    for column in sorted_digests.T:
+        np.copyto(buffer, column)
+        buffer[absent] = np.iinfo(np.uint64).max
+        low = np.minimum.reduceat(buffer, starts)
+        buffer[absent] = 0
+        differ |= low < np.maximum.reduceat(buffer, starts)
+    return differ
+
+
+def _boxes_of_rows(boxes: _Boxes, rows: np.ndarray) -> np.ndarray:
     position = np.empty(len(boxes.order), np.int64)
     position[boxes.order] = np.arange(len(boxes.order))
-    conflicted = np.unique(boxes.box_of_sorted[position[found]])
-    raise ReplicaMismatchError(mismatch_message([_versions(structure, per_rank, int(b)) for b in conflicted], len(conflicted), mesh))
+    return boxes.box_of_sorted[position[rows]]
 
 
 def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -425,22 +586,61 @@ class _Classes:
 
 
 def holder_classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
-    """Boxes grouped by the set of groups holding them (a box held by one group: that group's class)."""
+    """Boxes grouped by the set of groups holding them (a box held by one group: that
+    group's class), shared classes numbered in order of their first box."""
     holders = boxes.ends - boxes.starts
     of_box = np.empty(len(holders), np.int64)
     single = holders == 1
-    groups_of_sorted = rows.gid[boxes.order]
-    of_box[single] = groups_of_sorted[boxes.starts[single]]
+    holder_of_sorted = rows.gid[boxes.order]  # ascending within each box
+    of_box[single] = holder_of_sorted[boxes.starts[single]]
+    shared = np.flatnonzero(~single)
+    first = _first_with_same_holders(shared, holders, boxes.starts, holder_of_sorted, len(groups.tables))
+    firsts = np.unique(first)
+    of_box[shared] = len(groups.members) + np.searchsorted(firsts, first)
     members = list(groups.members)
-    shared: dict[tuple[int, ...], int] = {}
-    for box in np.flatnonzero(~single).tolist():
-        holding = tuple(groups_of_sorted[boxes.starts[box] : boxes.ends[box]].tolist())
-        cls = shared.get(holding)
-        if cls is None:
-            cls = shared[holding] = len(members)
-            members.append(np.sort(np.concatenate([groups.members[g] for g in holding])))
-        of_box[box] = cls
+    for box in firsts.tolist():
+        holding = holder_of_sorted[boxes.starts[box] : boxes.ends[box]].tolist()
+        members.append(np.sort(np.concatenate([groups.members[g] for g in holding])))
     return _Classes(of_box, members)
+
+
+def _first_with_same_holders(shared: np.ndarray, holders: np.ndarray, starts: np.ndarray, holder_of_sorted: np.ndarray, ngroups: int) -> np.ndarray:
+    """For each box in ``shared`` (ascending), the first shared box held by the same groups.
+
+    Boxes are bucketed by (holder count, a 64-bit sum of random words of the holders), and
+    each box's holders compared with its bucket's first box's; boxes that differ (a hash
+    collision) go round again, so a collision costs a pass, never a wrong class. A Python
+    tuple per shared box took seconds at 16,384 pure-FSDP ranks.
+    """
+    words = _holder_words(ngroups)
+    hashes = np.add.reduceat(words[holder_of_sorted], starts) if len(starts) else np.zeros(0, np.uint64)
+    first = np.empty(len(shared), np.int64)
+    pending = np.arange(len(shared))
+    while len(pending):
+        box = shared[pending]
+        order = np.lexsort((box, hashes[box], holders[box]))
+        box, pending = box[order], pending[order]
+        new = np.ones(len(box), bool)
+        new[1:] = (holders[box[1:]] != holders[box[:-1]]) | (hashes[box[1:]] != hashes[box[:-1]])
+        candidate = box[np.flatnonzero(new)[np.cumsum(new) - 1]]
+        same = _same_holders(box, candidate, holders, starts, holder_of_sorted)
+        first[pending[same]] = candidate[same]
+        pending = pending[~same]
+    return first
+
+
+def _holder_words(ngroups: int) -> np.ndarray:
+    return np.random.default_rng(0x5EED).integers(0, 2**63, ngroups, dtype=np.uint64)
+
+
+def _same_holders(box: np.ndarray, other: np.ndarray, holders: np.ndarray, starts: np.ndarray, holder_of_sorted: np.ndarray) -> np.ndarray:
+    """Whether each ``box`` has the same holders as ``other`` (of equal holder counts, >= 1)."""
+    counts = holders[box]
+    ends = np.cumsum(counts)
+    step = np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - counts, counts)
+    mine = holder_of_sorted[np.repeat(starts[box], counts) + step]
+    theirs = holder_of_sorted[np.repeat(starts[other], counts) + step]
+    return np.add.reduceat(mine != theirs, ends - counts) == 0 if len(box) else np.zeros(0, bool)
 
 
 def _balance(classes: _Classes, weight: np.ndarray, load: np.ndarray) -> np.ndarray:
@@ -485,13 +685,15 @@ def _replica_copies(
     """(box, rank, tp coordinate) of each copy: every TP coordinate holding a replicated
     tensor chunk but not writing it gets one, from its least loaded holder."""
     out_box, out_rank, out_tp = [], [], []
-    eligible = boxes.tensor & ~np.isin(boxes.fqn, list(refined_keys))
+    eligible = np.flatnonzero(boxes.tensor & ~np.isin(boxes.fqn, list(refined_keys)))
+    by_class = eligible[stable_order(classes.of_box[eligible], len(classes.members))]  # each class's boxes ascending
+    bounds = np.searchsorted(classes.of_box[by_class], np.arange(len(classes.members) + 1))
     for cls, members in enumerate(classes.members):
         coords = tp[members]
         present = np.unique(coords[coords != NO_TP])
         if len(present) < 2:
             continue
-        in_class = np.flatnonzero((classes.of_box == cls) & eligible)
+        in_class = by_class[bounds[cls] : bounds[cls + 1]]
         if not len(in_class):
             continue
         in_class = in_class[np.argsort(-boxes.weight[in_class], kind="stable")]
@@ -511,17 +713,31 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _row_of(structure: _Structure, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """The row of ``rank``'s table holding ``box`` (vectorized)."""
-    groups, rows, boxes = structure.groups, structure.rows, structure.boxes
-    ngroups = len(groups.tables)
-    sorted_keys = boxes.box_of_sorted * ngroups + rows.gid[boxes.order]
-    found = np.searchsorted(sorted_keys, box * ngroups + groups.of_rank[rank])
-    return rows.lrow[boxes.order[found]]
+class _RowFinder:
+    """The row of a rank's table holding a box: a search in (box, group) order, which the
+    sorted rows already are."""
+
+    def __init__(self, structure: _Structure) -> None:
+        self._structure = structure
+        groups, rows, boxes = structure.groups, structure.rows, structure.boxes
+        self._sorted_keys = boxes.box_of_sorted * len(groups.tables) + rows.gid[boxes.order]
+
+    def __call__(self, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        groups, rows, boxes = self._structure.groups, self._structure.rows, self._structure.boxes
+        found = np.searchsorted(self._sorted_keys, box * len(groups.tables) + groups.of_rank[rank])
+        return rows.lrow[boxes.order[found]]
+
+
+def stable_order(values: np.ndarray, limit: int) -> np.ndarray:
+    """``np.argsort(values, kind="stable")`` for values in [0, limit): a radix sort (numpy's
+    stable sort of 16-bit integers) where they fit, 4-5x faster than a merge sort."""
+    if limit <= 1 << 16:
+        return np.argsort(values.astype(np.uint16), kind="stable")
+    return np.argsort(values, kind="stable")
 
 
 def _per_rank(ranks: int, rank: np.ndarray, first: np.ndarray, second: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    order = np.argsort(rank, kind="stable")
+    order = stable_order(rank, ranks)
     bounds = np.cumsum(np.bincount(rank, minlength=ranks))[:-1]
     return list(zip(np.split(first[order], bounds), np.split(second[order], bounds)))
 
@@ -529,17 +745,21 @@ def _per_rank(ranks: int, rank: np.ndarray, first: np.ndarray, second: np.ndarra
 # -- metadata ---------------------------------------------------------------------------
 
 
-@gc_paused()
 def _metadata(rows: _Rows, boxes: _Boxes) -> Metadata:
-    """DCP's Metadata: two objects per unique chunk, built with the collector paused."""
-    entries: dict[str, Any] = {}
-    for start, end in zip(boxes.key_starts.tolist(), boxes.key_ends.tolist()):
+    """DCP's Metadata, each key's chunk list built when first asked for (the writer's
+    ``finish``; a coordinator of millions of chunks does not build them while planning)."""
+    state: dict[str, Any] = {}
+    first_box: list[int] = []
+    for start in boxes.key_starts.tolist():
         key = int(boxes.fqn[start])
         fact = rows.facts[key]
-        if fact is None:
-            entries[rows.names[key]] = BytesStorageMetadata()
-            continue
-        ndim = len(fact[1])
-        chunks = list(map(ChunkStorageMetadata, torch_sizes(boxes.off[start:end, :ndim]), torch_sizes(boxes.size[start:end, :ndim])))
-        entries[rows.names[key]] = TensorStorageMetadata(properties=fact[0], size=fact[1], chunks=chunks)
-    return Metadata(state_dict_metadata=entries, planner_data=rows.mappings)
+        state[rows.names[key]] = BytesStorageMetadata() if fact is None else TensorStorageMetadata(properties=fact[0], size=fact[1], chunks=[])
+        first_box.append(start)
+    ends = boxes.key_ends.tolist()
+
+    def key_boxes(k: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = first_box[k], ends[k]
+        ndim = len(rows.facts[int(boxes.fqn[start])][1])
+        return boxes.off[start:end, :ndim], boxes.size[start:end, :ndim]
+
+    return Metadata(state_dict_metadata=ChunkListsOnDemand(state, key_boxes), planner_data=rows.mappings)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 from torch.distributed.device_mesh import DeviceMesh
 
-from dcp_ext.planning.global_plan import GlobalPlan, holder_classes
+from dcp_ext.planning.global_plan import GlobalPlan, holder_classes, stable_order
 from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
 
 
@@ -48,9 +48,10 @@ def units_per_group(plan: GlobalPlan, plan_id: bytes) -> list[ReplicaUnits]:
     row = boxes.order  # rows in chunk order
     cls = classes.of_box[boxes.box_of_sorted]
     keep = shared[cls]
-    row, cls, box = row[keep], cls[keep], boxes.box_of_sorted[keep]
+    row, cls = row[keep], cls[keep]
     group = rows.gid[row]
-    order = np.lexsort((box, cls, group))
+    by_class = stable_order(cls, len(classes.members))  # rows stay in chunk order within a class
+    order = by_class[stable_order(group[by_class], len(groups.tables))]
     row, cls, group = row[order], cls[order], group[order]
     group_bounds = np.searchsorted(group, np.arange(len(groups.tables) + 1))
     out = []

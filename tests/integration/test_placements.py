@@ -284,3 +284,13 @@ def test_replica_check_compares_digests_per_chunk():
         global_plan(plans, chunk_digests=digests)
     same = global_plan([SavePlan([whole]), SavePlan([whole])], chunk_digests=[digest_rows(b"a"), digest_rows(b"a")])
     assert sorted(len(a.rows) for a in same.assignments) == [0, 1]  # written once
+
+
+def test_replica_check_across_distinct_tables_leaves_out_ranks_without_a_digest():
+    whole = shard_item("w", (0, 0), (4, 3), (4, 3))
+    plans = [SavePlan([whole]), SavePlan([whole, shard_item("u", (0,), (2,), (4,))]), SavePlan([whole, shard_item("u", (2,), (2,), (4,))])]
+    # three distinct tables share 'w'; rank 1 sent no digest for it
+    ok = global_plan(plans, chunk_digests=[digest_rows(b"a"), digest_rows(None, b"u0"), digest_rows(b"a", b"u1")])
+    assert sum(len(a.rows) for a in ok.assignments) == 3  # 'w' once, 'u' twice
+    with pytest.raises(ReplicaMismatchError, match=r"'w' chunk at offsets \[0, 0\] size \[4, 3\]: ranks \[0\] vs ranks \[2\]"):
+        global_plan(plans, chunk_digests=[digest_rows(b"a"), digest_rows(None, b"u0"), digest_rows(b"b", b"u1")])

@@ -12,7 +12,9 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 import dcp_ext
 from dcp_ext import CheckpointError, InvalidRequestError
 from dcp_ext.megatron import IncompleteSaveError
-from dcp_ext.planning.global_plan import _fill, _tiles
+from dcp_ext.planning import global_plan as global_plan_module
+from dcp_ext.planning.global_plan import _concat, _fill, _group_ranks, _keyed_box_order, _lexsorted_box_order, _tiles, _unique_boxes, holder_classes
+from dcp_ext.planning.plan_table import make_table
 from dcp_ext.storage.writer import item_nbytes, split_by_bytes
 
 from support import deduped, global_plan, shard_item
@@ -130,3 +132,72 @@ def test_fill_levels_the_load_within_one_box_of_the_water_level(weights, loads):
     filled = [m for m in members.tolist() if m in chosen.tolist()]
     assert all(after[m] <= max(level, load[m]) + weight.max() for m in members.tolist())
     assert all(load[m] < level for m in filled)  # nobody above the level is given more
+
+
+def _random_tables(rng: np.random.Generator, ranks: int, keys: int, shuffled: bool = False) -> list:
+    """Tables of ``ranks`` ranks over ``keys`` keys of 1-3 dims, each key split as a grid
+    and its chunks dealt to random subsets of ranks (replicas and unique chunks mixed);
+    rows in key order, or ``shuffled``."""
+    shapes = [tuple(int(v) for v in rng.integers(1, 9, rng.integers(1, 4))) for _ in range(keys)]
+    facts = tuple((TensorProperties(dtype=torch.float32), torch.Size(shape)) for shape in shapes)
+    fqns = tuple(f"k{n}" for n in range(keys))
+    rows: list[list[tuple[int, list[int], list[int]]]] = [[] for _ in range(ranks)]
+    for k, shape in enumerate(shapes):
+        cuts = [np.unique(np.concatenate([[0, extent], rng.integers(0, extent + 1, 2)])) for extent in shape]
+        for cell in np.ndindex(*(len(c) - 1 for c in cuts)):
+            off = [int(cuts[d][i]) for d, i in enumerate(cell)]
+            size = [int(cuts[d][i + 1]) - off[d] for d, i in enumerate(cell)]
+            for rank in rng.choice(ranks, int(rng.integers(1, ranks + 1)), replace=False).tolist():
+                rows[rank].append((k, off, size))
+    tables = []
+    for rank_rows in rows:
+        if shuffled:
+            rng.shuffle(rank_rows)
+        n = len(rank_rows)
+        offsets, sizes = np.zeros((n, 3), np.int64), np.ones((n, 3), np.int64)
+        for row, (_, off, size) in enumerate(rank_rows):
+            offsets[row, : len(off)], sizes[row, : len(size)] = off, size
+        fqn_id = [k for k, _, _ in rank_rows]
+        tables.append(
+            make_table(fqns, facts, fqn_id, [WriteItemType.SHARD.value] * n, [len(shapes[k]) for k in fqn_id], offsets, sizes, [4 * int(np.prod(s)) for _, _, s in rank_rows])
+        )
+    return tables
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_key_sort_orders_rows_as_the_lexsort_does(seed):
+    rows = _concat(_random_tables(np.random.default_rng(seed), ranks=5, keys=7, shuffled=seed % 2 == 1))
+    keyed = _keyed_box_order(rows)
+    assert keyed is not None
+    order, new, chunks = _lexsorted_box_order(rows)
+    assert np.array_equal(keyed[0], order) and np.array_equal(keyed[1], new)
+    for decoded, taken in zip(keyed[2], chunks):  # the boxes' ndim, offsets and sizes
+        assert np.array_equal(decoded, taken)
+
+
+def test_the_one_key_sort_leaves_chunks_it_cannot_order_to_the_lexsort():
+    facts = ((TensorProperties(dtype=torch.float32), torch.Size([8])),)
+    def rows_of(*boxes):
+        tables = [make_table(("w",), facts, [0], [WriteItemType.SHARD.value], [1], [[off]], [[size]], [4 * size]) for off, size in boxes]
+        return _concat(tables)
+    assert _keyed_box_order(rows_of((0, 4), (4, 4))) is not None
+    assert _keyed_box_order(rows_of((0, 4), (6, 4))) is None  # past the end
+    assert _keyed_box_order(rows_of((0, 4), (0, 6))) is None  # one offset, two sizes
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_holder_classes_group_boxes_by_exactly_their_holders(monkeypatch, collide):
+    if collide:  # every holder set hashes alike: only the exact comparison separates them
+        monkeypatch.setattr(global_plan_module, "_holder_words", lambda n: np.zeros(n, np.uint64))
+    tables = _random_tables(np.random.default_rng(7), ranks=6, keys=9)
+    groups = _group_ranks(tables)
+    rows = _concat(groups.tables)
+    boxes = _unique_boxes(rows)
+    classes = holder_classes(groups, rows, boxes)
+    expected: dict[tuple[int, ...], int] = {}
+    for box in range(len(boxes.fqn)):
+        holding = tuple(rows.gid[boxes.order[boxes.starts[box] : boxes.ends[box]]].tolist())
+        cls = holding[0] if len(holding) == 1 else expected.setdefault(holding, len(groups.members) + len(expected))
+        assert classes.of_box[box] == cls
+        assert np.array_equal(classes.members[cls], np.sort(np.concatenate([groups.members[g] for g in holding])))
+    assert len(classes.members) == len(groups.members) + len(expected)
