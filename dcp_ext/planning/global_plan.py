@@ -97,13 +97,16 @@ class _Rows:
     starts: np.ndarray  # first row of each table, then the row count
     dims: int
     gid: np.ndarray  # int32
-    lrow: np.ndarray  # int32
     fqn: np.ndarray  # int32
 
     @functools.cached_property
     def chunks(self) -> _Chunks:
         """Every row's chunk columns, copied out of the tables (the lexsort path only)."""
         return _stacked(self.tables, self.dims)
+
+    def local(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's number in its own table."""
+        return rows - self.starts[self.gid[rows]]
 
 
 def _stacked(tables: Sequence[PlanTable], dims: int) -> _Chunks:
@@ -261,7 +264,6 @@ def _concat(tables: list[PlanTable]) -> _Rows:
         starts=np.concatenate([[0], np.cumsum(counts)]),
         dims=max((t.offsets.shape[1] for t in tables), default=1),
         gid=np.repeat(np.arange(len(tables), dtype=np.int32), counts),
-        lrow=np.concatenate([np.arange(len(t), dtype=np.int32) for t in tables] or [np.zeros(0, np.int32)]),
         fqn=np.concatenate([lookups[t.keys_digest][t.fqn_id] for t in tables] or [np.zeros(0, np.int32)]),
     )
 
@@ -335,14 +337,44 @@ def _lexsorted_box_order(rows: _Rows) -> BoxOrder:
     return order, new, _Chunks(*(column[first] for column in chunks))
 
 
-SORT_BATCH_ROWS = 1 << 20  # rows coded per pass: temporaries stay small and are reused
+SORT_BATCH_ROWS = 1 << 20  # rows coded per pass
+
+
+class _BatchWork:
+    """Work arrays for one batch of rows, allocated once: at 67 M rows, fresh memory for
+    each batch's temporaries cost as much kernel time (page faults) as the arithmetic."""
+
+    def __init__(self, rows: _Rows) -> None:
+        size = max([SORT_BATCH_ROWS, *(len(t) for t in rows.tables)])
+        self.rows = rows
+        self.ndim = np.empty(size, np.int8)
+        self.off = np.empty((size, rows.dims), np.int64)
+        self.size = np.empty((size, rows.dims), np.int64)
+        self.key = np.empty(size, np.intp)
+        self.key_ndim = np.empty(size, np.int8)
+        self.extent = np.empty(size, np.int64)
+        self.spare = np.empty(size, np.int64)
+        self.bad = np.empty(size, bool)
+        self.flag = np.empty(size, bool)
+
+    def chunks(self, lo_table: int, hi_table: int) -> _Chunks:
+        """The chunk columns of tables lo_table..hi_table, in the work arrays."""
+        row = 0
+        for table in self.rows.tables[lo_table:hi_table]:
+            end, width = row + len(table), table.offsets.shape[1]
+            self.ndim[row:end] = table.ndim
+            self.off[row:end, :width], self.size[row:end, :width] = table.offsets, table.sizes
+            if width < self.rows.dims:
+                self.off[row:end, width:], self.size[row:end, width:] = 0, 1
+            row = end
+        return _Chunks(self.ndim[:row], self.off[:row], self.size[:row])
 
 
 def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
     """The same order as ``_lexsorted_box_order`` from one stable sort of a 64-bit code
     per row: (key, offsets in the key's mixed radix). A lexsort of 9 columns took 4.6 s of
     10 at 2,048 pure-FSDP ranks; tables arrive in key order, so the stable sort mostly
-    merges sorted runs, and the boxes' chunks are decoded from the codes, not gathered.
+    merges sorted runs.
 
     Each dim's radix is the extent + 1 (a padding dim's extent counts as 1), so the code
     orders exactly as the lexsort where every chunk lies inside its tensor with its key's
@@ -362,12 +394,12 @@ def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
     if n == 0 or key_bits + float(np.ceil(np.log2(extents + 1.0)).sum(axis=1).max()) > 62:
         return None
     by_dim = [np.ascontiguousarray(extents[:, d]) for d in range(dims)]
-    # fresh memory is what these passes mostly cost at millions of rows: three row-sized
-    # buffers, each reused once its contents are spent
+    work = _BatchWork(rows)
+    # three row-sized buffers, each reused once its contents are spent
     code, size_code, scratch = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     for lo_table, hi_table in _batches(rows):
         lo, hi = int(rows.starts[lo_table]), int(rows.starts[hi_table])
-        if not _code_rows(_stacked(rows.tables[lo_table:hi_table], dims), rows.fqn[lo:hi], by_dim, ndims, 63 - key_bits, code[lo:hi], size_code[lo:hi]):
+        if not _code_rows(work, work.chunks(lo_table, hi_table), rows.fqn[lo:hi], by_dim, ndims, 63 - key_bits, code[lo:hi], size_code[lo:hi]):
             return None
     order = np.argsort(code, kind="stable")
     new = np.empty(n, bool)
@@ -378,12 +410,13 @@ def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
     if np.any(np.not_equal(scratch[1:], scratch[:-1]) & ~new[1:]):
         return None  # one offset, two sizes
     del code, size_code
-    return order, new, _box_chunks(rows, order[new], scratch)
+    return order, new, _box_chunks(work, order[new], scratch)
 
 
-def _box_chunks(rows: _Rows, first: np.ndarray, scratch: np.ndarray) -> _Chunks:
+def _box_chunks(work: _BatchWork, first: np.ndarray, scratch: np.ndarray) -> _Chunks:
     """The chunk columns of rows ``first`` (one per box), read batch by batch in row
     order; ``scratch`` (a spent row-sized buffer) maps rows to boxes."""
+    rows = work.rows
     box_at = scratch
     box_at.fill(-1)
     box_at[first] = np.arange(len(first))
@@ -392,31 +425,39 @@ def _box_chunks(rows: _Rows, first: np.ndarray, scratch: np.ndarray) -> _Chunks:
         lo, hi = int(rows.starts[lo_table]), int(rows.starts[hi_table])
         local = np.flatnonzero(box_at[lo:hi] >= 0)
         box = box_at[lo:hi][local]
-        for column, whole in zip(out, _stacked(rows.tables[lo_table:hi_table], rows.dims)):
+        for column, whole in zip(out, work.chunks(lo_table, hi_table)):
             column[box] = whole[local]
     return out
 
 
-def _code_rows(chunks: _Chunks, fqn: np.ndarray, extents: list[np.ndarray], ndims: np.ndarray, key_shift: int, code: np.ndarray, size_code: np.ndarray) -> bool:
+def _code_rows(work: _BatchWork, chunks: _Chunks, fqn: np.ndarray, extents: list[np.ndarray], ndims: np.ndarray, key_shift: int, code: np.ndarray, size_code: np.ndarray) -> bool:
     """Fill ``code`` with the rows' key (from bit ``key_shift``) and offsets, ``size_code``
     with their sizes, in their keys' mixed radix (``extents[d][key]`` + 1 per dim); False
     where a chunk is not inside its tensor or has another ndim than its key."""
-    fqn = fqn.astype(np.intp)  # once, not per take
-    if np.any(chunks.ndim != ndims.take(fqn)):
+    m = len(fqn)
+    key, extent, spare, bad, flag = work.key[:m], work.extent[:m], work.spare[:m], work.bad[:m], work.flag[:m]
+    np.copyto(key, fqn, casting="unsafe")  # intp: once, not per take
+    ndims.take(key, out=work.key_ndim[:m])
+    if np.any(np.not_equal(chunks.ndim, work.key_ndim[:m], out=flag)):
         return False
-    code[:] = 0
-    size_code[:] = 0
+    code.fill(0)
+    size_code.fill(0)
     for d, by_key in enumerate(extents):
-        extent, off, size = by_key.take(fqn), chunks.off[:, d], chunks.size[:, d]
+        by_key.take(key, out=extent)
+        off, size = chunks.off[:, d], chunks.size[:, d]
         # as unsigned: 0 <= size <= extent, then 0 <= off <= extent - size
-        if np.any((size.view(np.uint64) > extent.view(np.uint64)) | (off.view(np.uint64) > (extent - size).view(np.uint64))):
+        np.greater(size.view(np.uint64), extent.view(np.uint64), out=bad)
+        np.subtract(extent, size, out=spare)
+        np.greater(off.view(np.uint64), spare.view(np.uint64), out=flag)
+        if np.any(np.logical_or(bad, flag, out=bad)):
             return False
         extent += 1
         code *= extent
         code += off
         size_code *= extent
         size_code += size
-    code |= fqn.astype(np.int64) << key_shift
+    np.left_shift(key, key_shift, out=spare)
+    code |= spare
     return True
 
 
@@ -565,10 +606,11 @@ def _padded(digests: np.ndarray, rows: int) -> np.ndarray:
 def _versions(structure: _Structure, digests: list[np.ndarray], box: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], list[list[int]]]:
     groups, rows, boxes = structure.groups, structure.rows, structure.boxes
     by_digest: dict[bytes, list[int]] = {}
-    for row in boxes.order[boxes.starts[box] : boxes.ends[box]].tolist():
+    held = boxes.order[boxes.starts[box] : boxes.ends[box]]
+    for row, local in zip(held.tolist(), rows.local(held).tolist()):
         for rank in groups.members[rows.gid[row]].tolist():
-            if rows.lrow[row] < len(digests[rank]) and digests[rank][rows.lrow[row]].any():
-                by_digest.setdefault(digests[rank][rows.lrow[row]].tobytes(), []).append(rank)
+            if local < len(digests[rank]) and digests[rank][local].any():
+                by_digest.setdefault(digests[rank][local].tobytes(), []).append(rank)
     ndim = int(boxes.ndim[box])
     key = (rows.names[boxes.fqn[box]], tuple(boxes.off[box, :ndim].tolist()), tuple(boxes.size[box, :ndim].tolist()))
     return key, [sorted(r) for r in by_digest.values()]
@@ -725,7 +767,7 @@ class _RowFinder:
     def __call__(self, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
         groups, rows, boxes = self._structure.groups, self._structure.rows, self._structure.boxes
         found = np.searchsorted(self._sorted_keys, box * len(groups.tables) + groups.of_rank[rank])
-        return rows.lrow[boxes.order[found]]
+        return rows.local(boxes.order[found])
 
 
 def stable_order(values: np.ndarray, limit: int) -> np.ndarray:

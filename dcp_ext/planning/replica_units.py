@@ -59,7 +59,7 @@ def units_per_group(plan: GlobalPlan, plan_id: bytes) -> list[ReplicaUnits]:
         mine = cls[lo:hi]
         starts = np.flatnonzero(np.diff(mine, prepend=-1)) if len(mine) else np.zeros(0, np.int64)
         out.append(
-            ReplicaUnits(plan_id, mine[starts], np.append(starts, len(mine)), rows.lrow[row[lo:hi]].astype(np.int32))
+            ReplicaUnits(plan_id, mine[starts], np.append(starts, len(mine)), rows.local(row[lo:hi]).astype(np.int32))
         )
     return out
 
