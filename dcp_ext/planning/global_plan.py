@@ -552,19 +552,24 @@ def check_replicas(structure: _Structure, digests: Sequence[np.ndarray | None], 
             bad = np.flatnonzero(_differ(per_rank[rank], first))
             bad_rows.append(base[group] + bad)
     conflicted = [_boxes_of_rows(boxes, np.concatenate(bad_rows))] if any(len(b) for b in bad_rows) else []
-    holders = boxes.ends - boxes.starts
-    shared = np.flatnonzero(holders > 1)  # boxes held by several groups: their first members compared
+    shared = np.flatnonzero(boxes.ends - boxes.starts > 1)  # boxes held by several groups: their first members compared
     if len(shared):
         representative = np.concatenate(
             [d if len(d) == len(t) else _padded(d, len(t)) for d, t in ((per_rank[m[0]], t) for t, m in zip(groups.tables, groups.members))]
         )
-        counts = holders[shared]
-        starts = np.cumsum(counts) - counts
-        positions = np.repeat(boxes.starts[shared] - starts, counts) + np.arange(int(counts.sum()))  # sorted rows of those boxes
+        positions, starts = sorted_positions(boxes, shared)
         conflicted.append(shared[_disagree(representative[boxes.order[positions]], starts)])
     found = np.unique(np.concatenate(conflicted)) if conflicted else np.zeros(0, np.int64)
     if len(found):
         raise ReplicaMismatchError(mismatch_message([_versions(structure, per_rank, int(b)) for b in found], len(found), mesh))
+
+
+def sorted_positions(boxes: _Boxes, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted-row positions of boxes ``chosen`` (ascending), box after box, and where
+    each box starts among them: the rows of some boxes without a pass over every row."""
+    counts = boxes.ends[chosen] - boxes.starts[chosen]
+    starts = np.cumsum(counts) - counts
+    return np.repeat(boxes.starts[chosen] - starts, counts) + np.arange(int(counts.sum())), starts
 
 
 def _disagree(sorted_digests: np.ndarray, starts: np.ndarray) -> np.ndarray:
