@@ -13,7 +13,8 @@ import dcp_ext
 from dcp_ext import CheckpointError, InvalidRequestError
 from dcp_ext.megatron import IncompleteSaveError
 from dcp_ext.planning import global_plan as global_plan_module
-from dcp_ext.planning.global_plan import _concat, _fill, _group_ranks, _keyed_box_order, _lexsorted_box_order, _tiles, _unique_boxes, holder_classes
+from dcp_ext.planning.global_plan import _concat, _fill, _group_ranks, _keyed_box_order, _lexsorted_box_order, _tiles, _unique_boxes, holder_classes, plan_globally
+from dcp_ext.planning.replica_units import units_per_group
 from dcp_ext.planning.plan_table import make_table
 from dcp_ext.storage.writer import item_nbytes, split_by_bytes
 
@@ -201,3 +202,25 @@ def test_holder_classes_group_boxes_by_exactly_their_holders(monkeypatch, collid
         assert classes.of_box[box] == cls
         assert np.array_equal(classes.members[cls], np.sort(np.concatenate([groups.members[g] for g in holding])))
     assert len(classes.members) == len(groups.members) + len(expected)
+
+
+def test_replica_units_are_each_groups_shared_classes_in_chunk_order():
+    tables = _random_tables(np.random.default_rng(11), ranks=6, keys=9)
+    plan = plan_globally(tables)
+    units = units_per_group(plan, b"id")
+    assert sum(len(u.classes) for u in units) > 3  # chunks shared by several groups
+    rows, boxes, classes = plan.structure.rows, plan.structure.boxes, plan.classes
+    for group, mine in enumerate(units):
+        expected_classes, expected_rows = [], []
+        for cls in range(len(classes.members)):
+            if len(classes.members[cls]) < 2:
+                continue
+            held = []
+            for box in np.flatnonzero(classes.of_box == cls).tolist():
+                sorted_rows = boxes.order[boxes.starts[box] : boxes.ends[box]]
+                held += [int(r - rows.starts[group]) for r in sorted_rows.tolist() if rows.gid[r] == group]
+            if held:
+                expected_classes.append(cls)
+                expected_rows.append(held)
+        assert mine.classes.tolist() == expected_classes
+        assert [mine.rows[lo:hi].tolist() for lo, hi in zip(mine.bounds[:-1], mine.bounds[1:])] == expected_rows
