@@ -9,13 +9,14 @@ so a ``.metadata`` it is written to is what stock DCP writes and reads.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
 from dcp_ext.runtime.gc_pause import gc_paused
 
@@ -58,6 +59,18 @@ class ChunkListsOnDemand(Mapping[str, Any]):
     def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
         with gc_paused():
             return dict, ({fqn: self[fqn] for fqn in self},)
+
+
+class MetadataOnDemand(Metadata):
+    """DCP's ``Metadata`` over a ``ChunkListsOnDemand``. It pickles as a stock ``Metadata``
+    built from its fields with a plain dict, so whichever writer pickles it (stock
+    ``FileSystemWriter`` too) writes a ``.metadata`` that stock DCP reads and that our
+    reader, which refuses any global but DCP's classes, reads as well."""
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Metadata)}
+        fields["state_dict_metadata"] = dict(self.state_dict_metadata)  # every chunk list built
+        return Metadata, tuple(fields.values())
 
 
 def torch_sizes(values: np.ndarray) -> Iterable[torch.Size]:

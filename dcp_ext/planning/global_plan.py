@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.errors import InvalidRequestError
-from dcp_ext.formats.chunk_lists import ChunkListsOnDemand
+from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, MetadataOnDemand
 from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
 from dcp_ext.planning.plan_table import PlanTable, TensorFacts, items_from_table, table_from_items
@@ -809,4 +809,4 @@ def _metadata(rows: _Rows, boxes: _Boxes) -> Metadata:
         ndim = len(rows.facts[int(boxes.fqn[start])][1])
         return boxes.off[start:end, :ndim], boxes.size[start:end, :ndim]
 
-    return Metadata(state_dict_metadata=ChunkListsOnDemand(state, key_boxes), planner_data=rows.mappings)  # type: ignore[arg-type]
+    return MetadataOnDemand(state_dict_metadata=ChunkListsOnDemand(state, key_boxes), planner_data=rows.mappings)  # type: ignore[arg-type]
