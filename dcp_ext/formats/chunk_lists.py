@@ -3,8 +3,8 @@
 DCP's metadata holds a ``ChunkStorageMetadata`` (two ``torch.Size``) per chunk. At a
 million chunks and more, building them all costs seconds and hundreds of MB that neither a
 rank loading a few keys nor a coordinator planning a save needs: both answer from numpy
-columns. The mapping builds a key's list on first access, and pickles as the plain dict,
-so a ``.metadata`` it is written to is what stock DCP writes and reads.
+columns. The mapping builds a key's list on first access; ``MetadataOnDemand`` around it
+pickles as a stock ``Metadata`` with a plain dict, which stock DCP and our reader read.
 """
 
 from __future__ import annotations
@@ -52,9 +52,6 @@ class ChunkListsOnDemand(Mapping[str, Any]):
 
     def __contains__(self, fqn: object) -> bool:
         return fqn in self._key_of
-
-    def key_number(self, fqn: str) -> int | None:
-        return self._key_of.get(fqn)
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
         with gc_paused():

@@ -102,19 +102,27 @@ class _Rows:
     @functools.cached_property
     def chunks(self) -> _Chunks:
         """Every row's chunk columns, copied out of the tables (the lexsort path only)."""
-        return _stacked(self.tables, self.dims)
+        n = len(self.fqn)
+        out = _Chunks(np.empty(n, np.int8), np.empty((n, self.dims), np.int64), np.empty((n, self.dims), np.int64))
+        return _stack_into(out, self.tables)
 
     def local(self, rows: np.ndarray) -> np.ndarray:
         """Each row's number in its own table."""
         return rows - self.starts[self.gid[rows]]
 
 
-def _stacked(tables: Sequence[PlanTable], dims: int) -> _Chunks:
-    return _Chunks(
-        ndim=np.concatenate([t.ndim for t in tables] or [np.zeros(0, np.int8)]),
-        off=_stack_padded([t.offsets for t in tables], dims, 0),
-        size=_stack_padded([t.sizes for t in tables], dims, 1),
-    )
+def _stack_into(out: _Chunks, tables: Sequence[PlanTable]) -> _Chunks:
+    """The tables' chunk columns one after another in ``out``'s leading rows, padded as
+    plans are (offset 0, size 1); returns those rows."""
+    row, dims = 0, out.off.shape[1]
+    for table in tables:
+        end, width = row + len(table), table.offsets.shape[1]
+        out.ndim[row:end] = table.ndim
+        out.off[row:end, :width], out.size[row:end, :width] = table.offsets, table.sizes
+        if width < dims:
+            out.off[row:end, width:], out.size[row:end, width:] = 0, 1
+        row = end
+    return _Chunks(out.ndim[:row], out.off[:row], out.size[:row])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -285,17 +293,6 @@ def _describe(fact: TensorFacts | None) -> str:
     return "a non-tensor item" if fact is None else f"size {list(fact[1])} dtype {fact[0].dtype}"
 
 
-def _stack_padded(arrays: list[np.ndarray], dims: int, fill: int) -> np.ndarray:
-    if all(a.shape[1] == dims for a in arrays):
-        return np.concatenate(arrays) if arrays else np.zeros((0, dims), np.int64)
-    out = np.full((sum(len(a) for a in arrays), dims), fill, np.int64)
-    row = 0
-    for a in arrays:
-        out[row : row + len(a), : a.shape[1]] = a
-        row += len(a)
-    return out
-
-
 def _unique_boxes(rows: _Rows) -> _Boxes:
     order, new, chunks = _keyed_box_order(rows) or _lexsorted_box_order(rows)
     starts = np.flatnonzero(new)
@@ -359,15 +356,7 @@ class _BatchWork:
 
     def chunks(self, lo_table: int, hi_table: int) -> _Chunks:
         """The chunk columns of tables lo_table..hi_table, in the work arrays."""
-        row = 0
-        for table in self.rows.tables[lo_table:hi_table]:
-            end, width = row + len(table), table.offsets.shape[1]
-            self.ndim[row:end] = table.ndim
-            self.off[row:end, :width], self.size[row:end, :width] = table.offsets, table.sizes
-            if width < self.rows.dims:
-                self.off[row:end, width:], self.size[row:end, width:] = 0, 1
-            row = end
-        return _Chunks(self.ndim[:row], self.off[:row], self.size[:row])
+        return _stack_into(_Chunks(self.ndim, self.off, self.size), self.rows.tables[lo_table:hi_table])
 
 
 def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
@@ -378,7 +367,7 @@ def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
 
     Each dim's radix is the extent + 1 (a padding dim's extent counts as 1), so the code
     orders exactly as the lexsort where every chunk lies inside its tensor with its key's
-    ndim. None otherwise, or where the key and offsets need more than 63 bits, or where
+    ndim. None otherwise, or where the key and offsets need more than 62 bits, or where
     one offset has two sizes: the lexsort path sorts those for validation and refinement.
     """
     n, dims = len(rows.fqn), rows.dims
@@ -796,16 +785,14 @@ def _metadata(rows: _Rows, boxes: _Boxes) -> Metadata:
     """DCP's Metadata, each key's chunk list built when first asked for (the writer's
     ``finish``; a coordinator of millions of chunks does not build them while planning)."""
     state: dict[str, Any] = {}
-    first_box: list[int] = []
-    for start in boxes.key_starts.tolist():
+    starts, ends = boxes.key_starts.tolist(), boxes.key_ends.tolist()
+    for start in starts:
         key = int(boxes.fqn[start])
         fact = rows.facts[key]
         state[rows.names[key]] = BytesStorageMetadata() if fact is None else TensorStorageMetadata(properties=fact[0], size=fact[1], chunks=[])
-        first_box.append(start)
-    ends = boxes.key_ends.tolist()
 
     def key_boxes(k: int) -> tuple[np.ndarray, np.ndarray]:
-        start, end = first_box[k], ends[k]
+        start, end = starts[k], ends[k]
         ndim = len(rows.facts[int(boxes.fqn[start])][1])
         return boxes.off[start:end, :ndim], boxes.size[start:end, :ndim]
 

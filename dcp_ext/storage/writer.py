@@ -262,7 +262,6 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                 else:
                     stored[wr.index] = wr.storage_data
         metadata.version = DCP_METADATA_VERSION
-        metadata.state_dict_metadata = dict(metadata.state_dict_metadata)  # built from the plan's columns on demand: pickled as a plain dict
         metadata.storage_data = {index: item.storage_info() for index, item in stored.items()}
         metadata.storage_meta = self.storage_meta()
         metadata_bytes = pickle.dumps(metadata)
