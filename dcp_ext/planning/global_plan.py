@@ -66,7 +66,6 @@ class GlobalPlan:
     seconds: dict[str, float]  # per planning phase
     counts: dict[str, int]  # ranks, distinct tables, rows, unique chunks, ...
     structure: _Structure  # of the declared rows, so a cached plan can re-run the replica check
-    classes: _Classes | None = None  # holder classes of ``structure``'s boxes (None: refined, not kept)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -130,7 +129,6 @@ class _Boxes:
     """Unique (key, offsets, sizes) over the rows, in (key, offsets, sizes) order."""
 
     order: np.ndarray  # rows sorted by box, then group
-    box_of_sorted: np.ndarray  # box of each sorted row
     starts: np.ndarray  # first sorted row of each box
     ends: np.ndarray
     fqn: np.ndarray
@@ -148,6 +146,14 @@ class _Structure:
     groups: _Groups
     rows: _Rows
     boxes: _Boxes
+
+    @functools.cached_property
+    def classes(self) -> _Classes:
+        return holder_classes(self.groups, self.rows, self.boxes)
+
+    @functools.cached_property
+    def shared(self) -> SharedRows:
+        return shared_rows(self)
 
 
 PLAN_PHASES = ("group", "concat", "sort", "validate", "replica_check", "refine", "balance", "locality", "assign", "metadata")
@@ -182,7 +188,7 @@ def plan_globally(
         structure, again = _structure(groups, clock, multi_rank=len(tables) > 1)
         assert not again, "refined chunks still overlap"
     result = _assign(structure, cuts, tp_ranks, clock)
-    return dataclasses.replace(result, structure=declared, classes=None if cuts else result.classes)
+    return dataclasses.replace(result, structure=declared)
 
 
 def _structure(groups: _Groups, clock: PhaseClock, *, multi_rank: bool) -> tuple[_Structure, Cuts]:
@@ -199,10 +205,10 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
     groups, rows, boxes = structure.groups, structure.rows, structure.boxes
     ranks = len(groups.of_rank)
     with clock.phase("balance"):
-        classes = holder_classes(groups, rows, boxes)
+        classes = structure.classes
         load = np.zeros(ranks, np.int64)
         writer = _balance(classes, boxes.weight, load)
-        row_of = _RowFinder(structure)
+        row_of = _RowFinder(structure, classes)
         writer_row = row_of(np.arange(len(boxes.fqn)), writer)
     copy_box = copy_rank = copy_tp = np.zeros(0, np.int64)
     if tp_ranks is not None:
@@ -230,7 +236,7 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
         "max_rank_bytes": int(load.max(initial=0)),
         "mean_rank_bytes": int(load.mean()) if ranks else 0,
     }
-    return GlobalPlan(assignments, metadata, clock.seconds, counts, structure, classes)
+    return GlobalPlan(assignments, metadata, clock.seconds, counts, structure)
 
 
 # -- grouping and rows ------------------------------------------------------------------
@@ -294,9 +300,8 @@ def _describe(fact: TensorFacts | None) -> str:
 
 
 def _unique_boxes(rows: _Rows) -> _Boxes:
-    order, new, chunks = _keyed_box_order(rows) or _lexsorted_box_order(rows)
+    order, new, fqn, chunks = _keyed_box_order(rows) or _lexsorted_box_order(rows)
     starts = np.flatnonzero(new)
-    fqn = rows.fqn[order[starts]]
     key_new = np.ones(len(starts), bool)
     key_new[1:] = fqn[1:] != fqn[:-1]
     key_starts = np.flatnonzero(key_new)
@@ -304,7 +309,6 @@ def _unique_boxes(rows: _Rows) -> _Boxes:
     itemsize = np.array([0 if fact is None else fact[0].dtype.itemsize for fact in rows.facts], np.int64)
     return _Boxes(
         order=order,
-        box_of_sorted=np.cumsum(new) - 1,
         starts=starts,
         ends=np.append(starts[1:], len(order)),
         fqn=fqn,
@@ -318,7 +322,11 @@ def _unique_boxes(rows: _Rows) -> _Boxes:
     )
 
 
-BoxOrder = tuple[np.ndarray, np.ndarray, _Chunks]  # rows sorted by box then group, where each box starts, the boxes' chunks
+class BoxOrder(NamedTuple):
+    order: np.ndarray  # rows sorted by box, then group
+    new: np.ndarray  # whether each sorted row starts a box
+    fqn: np.ndarray  # each box's key
+    chunks: _Chunks  # each box's chunk
 
 
 def _lexsorted_box_order(rows: _Rows) -> BoxOrder:
@@ -331,7 +339,7 @@ def _lexsorted_box_order(rows: _Rows) -> BoxOrder:
     new = np.ones(len(order), bool)
     new[1:] = np.any(matrix[1:] != matrix[:-1], axis=1)
     first = order[new]
-    return order, new, _Chunks(*(column[first] for column in chunks))
+    return BoxOrder(order, new, rows.fqn[first], _Chunks(*(column[first] for column in chunks)))
 
 
 SORT_BATCH_ROWS = 1 << 20  # rows coded per pass
@@ -395,27 +403,29 @@ def _keyed_box_order(rows: _Rows) -> BoxOrder | None:
     new[0] = True
     np.take(code, order, out=scratch)
     np.not_equal(scratch[1:], scratch[:-1], out=new[1:])
+    box_code = scratch[new]
     np.take(size_code, order, out=scratch)
     if np.any(np.not_equal(scratch[1:], scratch[:-1]) & ~new[1:]):
         return None  # one offset, two sizes
-    del code, size_code
-    return order, new, _box_chunks(work, order[new], scratch)
+    box_size_code = scratch[new]
+    del code, size_code, scratch
+    fqn = (box_code >> (63 - key_bits)).astype(np.int32)
+    box_code &= (1 << (63 - key_bits)) - 1
+    return BoxOrder(order, new, fqn, _decoded(fqn, box_code, box_size_code, by_dim, ndims))
 
 
-def _box_chunks(work: _BatchWork, first: np.ndarray, scratch: np.ndarray) -> _Chunks:
-    """The chunk columns of rows ``first`` (one per box), read batch by batch in row
-    order; ``scratch`` (a spent row-sized buffer) maps rows to boxes."""
-    rows = work.rows
-    box_at = scratch
-    box_at.fill(-1)
-    box_at[first] = np.arange(len(first))
-    out = _Chunks(np.empty(len(first), np.int8), np.empty((len(first), rows.dims), np.int64), np.empty((len(first), rows.dims), np.int64))
-    for lo_table, hi_table in _batches(rows):
-        lo, hi = int(rows.starts[lo_table]), int(rows.starts[hi_table])
-        local = np.flatnonzero(box_at[lo:hi] >= 0)
-        box = box_at[lo:hi][local]
-        for column, whole in zip(out, work.chunks(lo_table, hi_table)):
-            column[box] = whole[local]
+def _decoded(fqn: np.ndarray, code: np.ndarray, size_code: np.ndarray, extents: list[np.ndarray], ndims: np.ndarray) -> _Chunks:
+    """The boxes' chunk columns from their codes (``_code_rows``'s, key bits cleared):
+    reading them from the tables again took a pass over every row. Consumes the codes."""
+    n, dims = len(fqn), len(extents)
+    out = _Chunks(ndims[fqn], np.empty((n, dims), np.int64), np.empty((n, dims), np.int64))
+    radix, quotient = np.empty(n, np.int64), np.empty(n, np.int64)
+    for d in reversed(range(dims)):
+        np.add(extents[d][fqn], 1, out=radix)
+        for value, column in ((code, out.off[:, d]), (size_code, out.size[:, d])):
+            np.floor_divide(value, radix, out=quotient)
+            np.subtract(value, quotient * radix, out=column)
+            value[:] = quotient
     return out
 
 
@@ -541,46 +551,40 @@ def check_replicas(structure: _Structure, digests: Sequence[np.ndarray | None], 
             bad = np.flatnonzero(_differ(per_rank[rank], first))
             bad_rows.append(base[group] + bad)
     conflicted = [_boxes_of_rows(boxes, np.concatenate(bad_rows))] if any(len(b) for b in bad_rows) else []
-    shared = np.flatnonzero(boxes.ends - boxes.starts > 1)  # boxes held by several groups: their first members compared
-    if len(shared):
-        representative = np.concatenate(
-            [d if len(d) == len(t) else _padded(d, len(t)) for d, t in ((per_rank[m[0]], t) for t, m in zip(groups.tables, groups.members))]
-        )
-        positions, starts = sorted_positions(boxes, shared)
-        conflicted.append(shared[_disagree(representative[boxes.order[positions]], starts)])
-    found = np.unique(np.concatenate(conflicted)) if conflicted else np.zeros(0, np.int64)
+    conflicted.append(_disagreeing_boxes(structure.shared, [per_rank[m[0]].view(np.uint64) for m in groups.members]))
+    found = np.unique(np.concatenate(conflicted))
     if len(found):
         raise ReplicaMismatchError(mismatch_message([_versions(structure, per_rank, int(b)) for b in found], len(found), mesh))
 
 
-def sorted_positions(boxes: _Boxes, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sorted-row positions of boxes ``chosen`` (ascending), box after box, and where
-    each box starts among them: the rows of some boxes without a pass over every row."""
-    counts = boxes.ends[chosen] - boxes.starts[chosen]
-    starts = np.cumsum(counts) - counts
-    return np.repeat(boxes.starts[chosen] - starts, counts) + np.arange(int(counts.sum())), starts
-
-
-def _disagree(sorted_digests: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Per box (rows ``starts[b]``.. in ``sorted_digests``), whether two of its digests
-    differ; rows without one (zero) are left out. A min and a max per box and column,
-    sequential passes: comparing each row with its box's first took 3 random gathers."""
-    absent = (sorted_digests[:, 0] | sorted_digests[:, 1]) == 0
-    differ = np.zeros(len(starts), bool)
-    buffer = np.empty(len(sorted_digests), np.uint64)
-    for column in sorted_digests.T:
-        np.copyto(buffer, column)
-        buffer[absent] = np.iinfo(np.uint64).max
-        low = np.minimum.reduceat(buffer, starts)
-        buffer[absent] = 0
-        differ |= low < np.maximum.reduceat(buffer, starts)
-    return differ
+def _disagreeing_boxes(shared: SharedRows, digests: list[np.ndarray]) -> np.ndarray:
+    """Shared boxes whose holder groups (``digests[g]``: the group's first member's) report
+    two different digests; rows without one (zero, or past the end) are left out. A min
+    and a max per box and digest word, group by group over the group's shared rows: no
+    copy of every row's digest (1 GB at 16,384 pure-FSDP ranks). The digests must carry
+    numpy's own uint64 dtype (``view``): ``ufunc.at`` takes a path 25x slower for an
+    equal dtype object unpickled from another rank."""
+    top = np.iinfo(np.uint64).max
+    low, high = np.full((2, len(shared.boxes)), top, np.uint64), np.zeros((2, len(shared.boxes)), np.uint64)
+    for group, digest in enumerate(digests):
+        lo, hi = int(shared.group_bounds[group]), int(shared.group_bounds[group + 1])
+        rows, box = shared.rows[lo:hi], shared.box[lo:hi]
+        inside = rows < len(digest)
+        if not inside.all():
+            rows, box = rows[inside], box[inside]
+        values = digest[rows]
+        present = (values[:, 0] | values[:, 1]) != 0
+        values, box = values[present], box[present]
+        for word in range(2):
+            np.minimum.at(low[word], box, values[:, word])
+            np.maximum.at(high[word], box, values[:, word])
+    return shared.boxes[np.flatnonzero(np.any(low < high, axis=0))]
 
 
 def _boxes_of_rows(boxes: _Boxes, rows: np.ndarray) -> np.ndarray:
     position = np.empty(len(boxes.order), np.int64)
     position[boxes.order] = np.arange(len(boxes.order))
-    return boxes.box_of_sorted[position[rows]]
+    return np.searchsorted(boxes.starts, position[rows], "right") - 1
 
 
 def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -589,12 +593,6 @@ def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a[: len(b)]
     changed = (a[:, 0] ^ b[:, 0]) | (a[:, 1] ^ b[:, 1])  # column-wise: 10x faster than any(axis=1)
     return (changed != 0) & ((a[:, 0] | a[:, 1]) != 0) & ((b[:, 0] | b[:, 1]) != 0)
-
-
-def _padded(digests: np.ndarray, rows: int) -> np.ndarray:
-    out = np.zeros((rows, 2), np.uint64)
-    out[: len(digests)] = digests[:rows]
-    return out
 
 
 def _versions(structure: _Structure, digests: list[np.ndarray], box: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], list[list[int]]]:
@@ -619,6 +617,7 @@ class _Classes:
 
     of_box: np.ndarray
     members: list[np.ndarray]  # ranks of each class, ascending
+    holders: list[np.ndarray]  # groups of each class, ascending: the order of each of its boxes' sorted rows
 
 
 def holder_classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
@@ -634,10 +633,64 @@ def holder_classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
     firsts = np.unique(first)
     of_box[shared] = len(groups.members) + np.searchsorted(firsts, first)
     members = list(groups.members)
+    holders = [np.array([g]) for g in range(len(groups.tables))]
     for box in firsts.tolist():
-        holding = holder_of_sorted[boxes.starts[box] : boxes.ends[box]].tolist()
-        members.append(np.sort(np.concatenate([groups.members[g] for g in holding])))
-    return _Classes(of_box, members)
+        holding = holder_of_sorted[boxes.starts[box] : boxes.ends[box]]
+        members.append(np.sort(np.concatenate([groups.members[g] for g in holding.tolist()])))
+        holders.append(holding.astype(np.int64))
+    return _Classes(of_box, members, holders)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedRows:
+    """The rows of boxes in classes held by more than one rank, group after group; within a
+    group, class after class, each class's rows in chunk order (the group's replica units)."""
+
+    boxes: np.ndarray  # the boxes, class after class, ascending within a class
+    rows: np.ndarray  # int32: each row's number in its group's table
+    box: np.ndarray  # int32: each row's box, as an index into ``boxes``
+    group_bounds: np.ndarray  # each group's rows: rows[group_bounds[g] : group_bounds[g + 1]]
+    unit_class: np.ndarray  # each unit's class, units group after group as the rows are
+    unit_start: np.ndarray  # each unit's first row
+    unit_bounds: np.ndarray  # each group's units: unit_bounds[g] : unit_bounds[g + 1]
+
+
+def shared_rows(structure: _Structure) -> SharedRows:
+    """Every box of a class is held by the class's groups, its sorted rows in their order, so
+    a class of k boxes and m groups is a k x m matrix of rows whose column j is group j's
+    unit: one gather per class, no sort over the rows (sorting them took 7.7 s at 16,384
+    pure-FSDP ranks)."""
+    groups, rows, boxes, classes = structure.groups, structure.rows, structure.boxes, structure.classes
+    ngroups, nclasses = len(groups.tables), len(classes.members)
+    shared = np.flatnonzero([len(m) > 1 for m in classes.members])
+    is_shared = np.zeros(nclasses, bool)
+    is_shared[shared] = True
+    chosen = np.flatnonzero(is_shared[classes.of_box])
+    chosen = chosen[stable_order(classes.of_box[chosen], nclasses)]  # class by class, boxes ascending
+    class_bounds = np.append(0, np.cumsum(np.bincount(classes.of_box[chosen], minlength=nclasses)[shared]))
+    holders = [classes.holders[c] for c in shared.tolist()]
+    unit_group = np.concatenate([np.zeros(0, np.int64), *holders])
+    unit_rows = np.repeat(np.diff(class_bounds), [len(h) for h in holders])
+    by_group = stable_order(unit_group, ngroups)  # units group after group, classes ascending within
+    unit_start = np.empty(len(by_group), np.int64)
+    unit_start[by_group] = np.cumsum(unit_rows[by_group]) - unit_rows[by_group]
+    local, box = np.empty(int(unit_rows.sum()), np.int32), np.empty(int(unit_rows.sum()), np.int32)
+    unit = 0
+    for lo, hi, held in zip(class_bounds[:-1].tolist(), class_bounds[1:].tolist(), holders):
+        matrix = boxes.order[boxes.starts[chosen[lo:hi]][:, None] + np.arange(len(held))] - rows.starts[held]
+        destination = (unit_start[unit : unit + len(held), None] + np.arange(hi - lo)).ravel()
+        local[destination] = matrix.T.ravel()
+        box[destination] = np.tile(np.arange(lo, hi), len(held))
+        unit += len(held)
+    return SharedRows(
+        boxes=chosen,
+        rows=local,
+        box=box,
+        group_bounds=np.append(0, np.cumsum(np.bincount(unit_group, weights=unit_rows, minlength=ngroups))).astype(np.int64),
+        unit_class=np.repeat(shared, [len(h) for h in holders])[by_group],
+        unit_start=unit_start[by_group],
+        unit_bounds=np.append(0, np.cumsum(np.bincount(unit_group, minlength=ngroups))),
+    )
 
 
 def _first_with_same_holders(shared: np.ndarray, holders: np.ndarray, starts: np.ndarray, holder_of_sorted: np.ndarray, ngroups: int) -> np.ndarray:
@@ -750,18 +803,25 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class _RowFinder:
-    """The row of a rank's table holding a box: a search in (box, group) order, which the
-    sorted rows already are."""
+    """The row of a rank's table holding a box: the box's sorted rows follow its class's
+    holder groups, so the row is the box's first plus the group's place among them (a
+    search over the shared classes' holders, not over the rows)."""
 
-    def __init__(self, structure: _Structure) -> None:
-        self._structure = structure
-        groups, rows, boxes = structure.groups, structure.rows, structure.boxes
-        self._sorted_keys = boxes.box_of_sorted * len(groups.tables) + rows.gid[boxes.order]
+    def __init__(self, structure: _Structure, classes: _Classes) -> None:
+        self._structure, self._classes = structure, classes
+        self._groups = len(structure.groups.tables)
+        shared = list(enumerate(classes.holders))[self._groups :]
+        self._keys = np.concatenate([np.zeros(0, np.int64), *(cls * self._groups + held for cls, held in shared)])
+        self._places = np.concatenate([np.zeros(0, np.int64), *(np.arange(len(held)) for _, held in shared)])
 
     def __call__(self, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        groups, rows, boxes = self._structure.groups, self._structure.rows, self._structure.boxes
-        found = np.searchsorted(self._sorted_keys, box * len(groups.tables) + groups.of_rank[rank])
-        return rows.local(boxes.order[found])
+        rows, boxes = self._structure.rows, self._structure.boxes
+        cls = self._classes.of_box[box]
+        place = np.zeros(len(box), np.int64)
+        shared = np.flatnonzero(cls >= self._groups)
+        wanted = cls[shared] * self._groups + self._structure.groups.of_rank[rank[shared]]
+        place[shared] = self._places[np.searchsorted(self._keys, wanted)]
+        return rows.local(boxes.order[boxes.starts[box] + place])
 
 
 def stable_order(values: np.ndarray, limit: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 from torch.distributed.device_mesh import DeviceMesh
 
-from dcp_ext.planning.global_plan import GlobalPlan, holder_classes, sorted_positions, stable_order
+from dcp_ext.planning.global_plan import GlobalPlan
 from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
 
 
@@ -42,28 +42,13 @@ class ReplicaUnits:
 
 def units_per_group(plan: GlobalPlan, plan_id: bytes) -> list[ReplicaUnits]:
     """Units of each group of ``plan`` (its declared rows): classes held by more than one rank."""
-    groups, rows, boxes = plan.structure.groups, plan.structure.rows, plan.structure.boxes
-    classes = plan.classes or holder_classes(groups, rows, boxes)
-    shared = np.array([len(m) > 1 for m in classes.members], bool)
-    chosen = np.flatnonzero(shared[classes.of_box])
-    positions, starts = sorted_positions(boxes, chosen)
-    row = boxes.order[positions]  # in chunk order
-    cls = np.repeat(classes.of_box[chosen], np.diff(np.append(starts, len(positions))))
-    group = rows.gid[row]
-    by_class = stable_order(cls, len(classes.members))  # rows stay in chunk order within a class
-    order = by_class[stable_order(group[by_class], len(groups.tables))]
-    row, cls, group = row[order], cls[order], group[order]
-    local = rows.local(row).astype(np.int32)
-    new_unit = np.ones(len(cls), bool)
-    new_unit[1:] = (cls[1:] != cls[:-1]) | (group[1:] != group[:-1])
-    unit_starts = np.flatnonzero(new_unit)
-    group_bounds = np.searchsorted(group, np.arange(len(groups.tables) + 1))
-    unit_bounds = np.searchsorted(unit_starts, group_bounds)
+    shared = plan.structure.shared
     out = []
-    for g in range(len(groups.tables)):  # a few slices per group: 16,384 groups in ~0.2 s
-        lo, hi = int(group_bounds[g]), int(group_bounds[g + 1])
-        first = unit_starts[unit_bounds[g] : unit_bounds[g + 1]]
-        out.append(ReplicaUnits(plan_id, cls[first], np.append(first - lo, hi - lo), local[lo:hi]))
+    for g in range(len(plan.structure.groups.tables)):  # a few slices per group: 16,384 groups in ~0.2 s
+        lo, hi = int(shared.group_bounds[g]), int(shared.group_bounds[g + 1])
+        first, last = int(shared.unit_bounds[g]), int(shared.unit_bounds[g + 1])
+        bounds = np.append(shared.unit_start[first:last] - lo, hi - lo)
+        out.append(ReplicaUnits(plan_id, shared.unit_class[first:last], bounds, shared.rows[lo:hi]))
     return out
 
 
@@ -119,7 +104,7 @@ def check_units(plan: GlobalPlan, hashes: Sequence[np.ndarray], mesh: DeviceMesh
 def _class_chunks(plan: GlobalPlan, cls: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """The first chunk of class ``cls`` (fqn, offsets, sizes), as the message's example."""
     structure = plan.structure
-    classes = plan.classes or holder_classes(structure.groups, structure.rows, structure.boxes)
+    classes = structure.classes
     boxes = structure.boxes
     box = int(np.flatnonzero(classes.of_box == cls)[0])
     ndim = int(boxes.ndim[box])

@@ -3,6 +3,9 @@ and the numpy kernels behind them (grid tiling test, water filling)."""
 
 from __future__ import annotations
 
+import pickle
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from dcp_ext import CheckpointError, InvalidRequestError
 from dcp_ext.megatron import IncompleteSaveError
 from dcp_ext.planning import global_plan as global_plan_module
 from dcp_ext.planning.global_plan import _concat, _fill, _group_ranks, _keyed_box_order, _lexsorted_box_order, _tiles, _unique_boxes, holder_classes, plan_globally
+from dcp_ext.planning.replica_check import ReplicaMismatchError
 from dcp_ext.planning.replica_units import units_per_group
 from dcp_ext.planning.plan_table import make_table
 from dcp_ext.storage.writer import item_nbytes, split_by_bytes
@@ -170,9 +174,10 @@ def test_the_one_key_sort_orders_rows_as_the_lexsort_does(seed):
     rows = _concat(_random_tables(np.random.default_rng(seed), ranks=5, keys=7, shuffled=seed % 2 == 1))
     keyed = _keyed_box_order(rows)
     assert keyed is not None
-    order, new, chunks = _lexsorted_box_order(rows)
-    assert np.array_equal(keyed[0], order) and np.array_equal(keyed[1], new)
-    for decoded, taken in zip(keyed[2], chunks):  # the boxes' ndim, offsets and sizes
+    expected = _lexsorted_box_order(rows)
+    assert np.array_equal(keyed.order, expected.order) and np.array_equal(keyed.new, expected.new)
+    assert np.array_equal(keyed.fqn, expected.fqn)
+    for decoded, taken in zip(keyed.chunks, expected.chunks):  # the boxes' ndim, offsets and sizes, decoded from the codes
         assert np.array_equal(decoded, taken)
 
 
@@ -209,7 +214,7 @@ def test_replica_units_are_each_groups_shared_classes_in_chunk_order():
     plan = plan_globally(tables)
     units = units_per_group(plan, b"id")
     assert sum(len(u.classes) for u in units) > 3  # chunks shared by several groups
-    rows, boxes, classes = plan.structure.rows, plan.structure.boxes, plan.classes
+    rows, boxes, classes = plan.structure.rows, plan.structure.boxes, plan.structure.classes
     for group, mine in enumerate(units):
         expected_classes, expected_rows = [], []
         for cls in range(len(classes.members)):
@@ -224,3 +229,50 @@ def test_replica_units_are_each_groups_shared_classes_in_chunk_order():
                 expected_rows.append(held)
         assert mine.classes.tolist() == expected_classes
         assert [mine.rows[lo:hi].tolist() for lo, hi in zip(mine.bounds[:-1], mine.bounds[1:])] == expected_rows
+
+
+def _row_chunk(table, row: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    ndim = int(table.ndim[row])
+    return int(table.fqn_id[row]), tuple(table.offsets[row, :ndim].tolist()), tuple(table.sizes[row, :ndim].tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_rank_writes_and_copies_rows_of_its_own_table_holding_the_chunk(seed):
+    replicas = 2 if seed >= 2 else 1  # seeds 2, 3: each table held by two ranks (one group)
+    tables = _random_tables(np.random.default_rng(seed), ranks=6 // replicas, keys=9, shuffled=seed % 2 == 1) * replicas
+    plan = plan_globally(tables, tp_ranks=[r % 2 for r in range(6)])
+    boxes = plan.structure.boxes
+    written = {}
+    for rank, assignment in enumerate(plan.assignments):
+        for row in assignment.rows.tolist():
+            written.setdefault(_row_chunk(tables[rank], row), []).append(rank)
+        for row in assignment.copy_rows.tolist():
+            assert _row_chunk(tables[rank], row) in {_row_chunk(tables[rank], r) for r in range(len(tables[rank]))}
+    assert len(written) == len(boxes.fqn) and all(len(ranks) == 1 for ranks in written.values())  # each chunk once
+    assert sum(len(a.copy_rows) for a in plan.assignments) > 0
+
+
+def test_replica_check_finds_each_disagreeing_chunk_of_a_random_layout():
+    rng = np.random.default_rng(3)
+    tables = _random_tables(rng, ranks=6, keys=9)
+    digests = []
+    for table in tables:  # a digest per chunk, equal wherever the chunk is
+        words = [hash(_row_chunk(table, row)) & (2**63 - 1) | 1 for row in range(len(table))]
+        digests.append(np.array([[w, w ^ 5] for w in words], np.uint64).reshape(-1, 2))
+    plan_globally(tables, chunk_digests=[pickle.loads(pickle.dumps(d)) for d in digests])  # unpickled, as gathered
+    holders: dict[tuple, list[int]] = {}
+    for rank, table in enumerate(tables):
+        for row in range(len(table)):
+            holders.setdefault(_row_chunk(table, row), []).append(rank)
+    shared = [chunk for chunk, ranks in holders.items() if len(ranks) > 2]
+    target = shared[int(rng.integers(len(shared)))]
+    odd_rank = holders[target][1]
+    odd_row = next(r for r in range(len(tables[odd_rank])) if _row_chunk(tables[odd_rank], r) == target)
+    digests[odd_rank][odd_row] ^= np.uint64(8)
+    others = [r for r in holders[target] if r != odd_rank]
+    versions = [re.escape(f"ranks {others} vs ranks [{odd_rank}]"), re.escape(f"ranks [{odd_rank}] vs ranks {others}")]
+    with pytest.raises(ReplicaMismatchError, match="|".join(versions)) as caught:
+        plan_globally(tables, chunk_digests=digests)
+    assert f"chunk at offsets {list(target[1])} size {list(target[2])}" in str(caught.value)
+    digests[odd_rank] = digests[odd_rank][:odd_row]  # the odd row and the rest unknown: compared with nothing
+    plan_globally(tables, chunk_digests=digests)
