@@ -63,7 +63,7 @@ def with_units(plan: GlobalPlan, plan_id: bytes) -> GlobalPlan:
 def unit_hashes(digests: np.ndarray, units: ReplicaUnits) -> np.ndarray:
     """(units, 2) uint64: per unit, a hash of the rows' chunk digests (zero if one is unknown)."""
     out = np.zeros((len(units.classes), 2), np.uint64)
-    picked = digests[units.rows]
+    picked = digests.take(units.rows, axis=0)
     known = (picked[:, 0] | picked[:, 1]) != 0
     for unit, (lo, hi) in enumerate(zip(units.bounds[:-1].tolist(), units.bounds[1:].tolist())):
         if known[lo:hi].all():
