@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import crc32c
 
@@ -28,10 +29,12 @@ class CommitMarker:
     metadata_crc32c: int
     index_size: int
     index_crc32c: int
+    metadata_stamp: list[Any] | None = None  # ``Location.stamp`` of the committed .metadata (absent in older markers)
 
     @classmethod
-    def for_bytes(cls, save_id: str, metadata_bytes: bytes, index_bytes: bytes) -> CommitMarker:
-        return cls(save_id, len(metadata_bytes), crc32c.crc32c(metadata_bytes), len(index_bytes), crc32c.crc32c(index_bytes))
+    def for_bytes(cls, save_id: str, metadata_bytes: bytes, index_bytes: bytes, metadata_stamp: list[Any] | None = None) -> CommitMarker:
+        sizes_and_crcs = (len(metadata_bytes), crc32c.crc32c(metadata_bytes), len(index_bytes), crc32c.crc32c(index_bytes))
+        return cls(save_id, *sizes_and_crcs, metadata_stamp)
 
     def encode(self) -> bytes:
         return json.dumps({"format": MARKER_FORMAT, **asdict(self)}).encode()
@@ -45,7 +48,7 @@ class CommitMarker:
             marker = cls(**fields)
             if not isinstance(marker.save_id, str) or not all(
                 type(v) is int for v in (marker.metadata_size, marker.metadata_crc32c, marker.index_size, marker.index_crc32c)
-            ):
+            ) or not (marker.metadata_stamp is None or (type(marker.metadata_stamp) is list and all(type(v) in (int, str) for v in marker.metadata_stamp))):
                 raise ValueError("wrong field types")
             return marker
         except Exception as exc:  # untrusted bytes

@@ -177,8 +177,10 @@ def _read_optional(location: Location, name: str) -> bytes | None:
 @dataclass
 class _MetadataFile:
     """``.metadata`` as a read needs it: size and CRC32C always, the bytes only when the
-    pickle must be decoded. With an index that belongs to it, the file is streamed through
-    the CRC in blocks: at a million chunks that spares every rank holding ~170 MB."""
+    pickle must be decoded. With an index, the size and CRC come from the commit marker
+    when the file is the one it committed (``_committed_metadata``), else the file is
+    streamed through the CRC in blocks: at a million chunks that spares every rank
+    reading ~170 MB, or at least holding it."""
 
     facts: tuple[int, int]  # size, CRC32C
     data: bytes | None
@@ -213,9 +215,10 @@ class CatalogInputs:
     """What a catalog is built from, as read from storage: small enough to send to other
     ranks (``dcp_ext.storage.shared_metadata``), so one rank can read it for a group.
 
-    With an index, ``.metadata`` is streamed through its CRC on a thread while the index
-    is decoded (both release the GIL: at a million chunks 169 MB, ~40 ms from the page
-    cache and far more from a disk); ``metadata_file`` waits for it."""
+    With an index, ``.metadata`` is not read when the commit marker's stamp shows it is
+    the committed file; otherwise it is streamed through its CRC on a thread while the
+    index is decoded (both release the GIL: at a million chunks 169 MB, ~40 ms from the
+    page cache and far more from a disk); ``metadata_file`` waits for it."""
 
     signature: tuple[Any, ...]
     index_bytes: bytes | None
@@ -242,11 +245,36 @@ def read_catalog_inputs(location: Location) -> CatalogInputs:
     """The storage half of ``read_catalog``: every read it needs, nothing decoded."""
     signature = catalog_signature(location)
     index_bytes = _read_optional(location, INDEX_NAME)
+    marker_bytes = _read_optional(location, MARKER_NAME)
+    metadata: Future[_MetadataFile] | _MetadataFile | None
     if index_bytes is None:
-        metadata: Future[_MetadataFile] | _MetadataFile = _MetadataFile.read(location, keep_bytes=True)
+        metadata = _MetadataFile.read(location, keep_bytes=True)
     else:
-        metadata = _in_background(lambda: _MetadataFile.read(location, keep_bytes=False), "dcp_ext-metadata-crc")
-    return CatalogInputs(signature, index_bytes, metadata, _read_optional(location, MARKER_NAME))
+        metadata = _committed_metadata(location, marker_bytes)
+        if metadata is None:
+            metadata = _in_background(lambda: _MetadataFile.read(location, keep_bytes=False), "dcp_ext-metadata-crc")
+    return CatalogInputs(signature, index_bytes, metadata, marker_bytes)
+
+
+def _committed_metadata(location: Location, marker_bytes: bytes | None) -> _MetadataFile | None:
+    """``.metadata``'s size and CRC32C as the commit marker records them, without reading
+    the file, when the file is still the one the marker committed (the same
+    ``Location.stamp``: not rewritten, replaced or copied since); None otherwise."""
+    if marker_bytes is None:
+        return None
+    try:
+        marker = CommitMarker.decode(marker_bytes, MARKER_NAME)
+    except CorruptCheckpointError:
+        return None  # catalog_from_inputs decides what a torn marker means
+    if marker.metadata_stamp is None or marker.metadata_stamp != location.stamp(METADATA_NAME):
+        return None
+    return _MetadataFile((marker.metadata_size, marker.metadata_crc32c), None)
+
+
+def stored_metadata_facts(location: Location) -> tuple[int, int]:
+    """Size and CRC32C of ``.metadata`` as stored, read through (``dcp-ext verify``: a
+    load trusts the commit marker's stamp instead)."""
+    return _MetadataFile.read(location, keep_bytes=False).facts
 
 
 def _in_background(work: Callable[[], Any], name: str) -> Future[Any]:

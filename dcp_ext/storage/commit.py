@@ -51,7 +51,9 @@ def commit(
     then on a failure must not remove them (before it, ``discard_save`` removes them and
     the temporary files).
     """
-    marker = CommitMarker.for_bytes(save_id, metadata_bytes, index_bytes).encode()
+    def marker(written_metadata: str) -> bytes:  # records the file's stamp: readers need not read it to trust the index
+        return CommitMarker.for_bytes(save_id, metadata_bytes, index_bytes, location.stamp(written_metadata)).encode()
+
     if not location.is_local:
         crash_point("before-commit")
         location.write_bytes(INDEX_NAME, index_bytes, sync)
@@ -59,11 +61,12 @@ def commit(
         at_commit_point()  # an unmarked .metadata still loads with require_commit_marker=False
         location.write_bytes(METADATA_NAME, metadata_bytes, sync)
         crash_point("before-marker")
-        location.write_bytes(MARKER_NAME, marker, sync)  # the commit point
+        location.write_bytes(MARKER_NAME, marker(METADATA_NAME), sync)  # the commit point
         return
     temps = {name: temp_name(name, save_id) for name in (INDEX_NAME, METADATA_NAME, MARKER_NAME)}
-    for name, data in ((INDEX_NAME, index_bytes), (METADATA_NAME, metadata_bytes), (MARKER_NAME, marker)):
+    for name, data in ((INDEX_NAME, index_bytes), (METADATA_NAME, metadata_bytes)):
         location.write_bytes(temps[name], data, sync)
+    location.write_bytes(temps[MARKER_NAME], marker(temps[METADATA_NAME]), sync)  # a rename keeps the stamp
     if sync:
         location.sync_directory()  # data file and temp names are durable before the switch
     crash_point("before-commit")

@@ -71,6 +71,13 @@ class Location(ABC):
         """A cheap fingerprint that changes when the file is rewritten (None: missing)."""
 
     @abstractmethod
+    def stamp(self, name: str) -> list[Any] | None:
+        """What stays the same while ``name`` is the file it was, through renames (None:
+        missing, or the store reports nothing that changes with the file). A commit
+        records ``.metadata``'s, so a reader can tell the file is the committed one
+        without reading it (169 MB at a million chunks, on every rank)."""
+
+    @abstractmethod
     def listdir(self, name: str = "") -> list[str]:
         """Entry names of the directory or of its subdirectory ``name`` ([] if missing)."""
 
@@ -214,6 +221,10 @@ class LocalLocation(Location):
             return None
         return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
+    def stamp(self, name: str) -> list[Any] | None:
+        signature = self.signature(name)
+        return None if signature is None else list(signature[:3])  # a rename sets the ctime: size, mtime, inode
+
     def listdir(self, name: str = "") -> list[str]:
         full = self.path(name) if name else self.root
         return os.listdir(full) if os.path.isdir(full) else []
@@ -280,6 +291,12 @@ class LocalLocation(Location):
             os.close(fd)
 
 
+def _change_tag(info: dict[str, Any]) -> Any:
+    """What an fsspec store reports that changes with a file's contents: the object's
+    ETag, else its modification time (None: neither)."""
+    return info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+
+
 class FsspecLocation(Location):
     is_local = False
 
@@ -299,14 +316,21 @@ class FsspecLocation(Location):
             return None
 
     def signature(self, name: str) -> tuple[Any, ...] | None:
+        info = self._info(name)
+        return None if info is None else (info.get("size"), str(_change_tag(info)), info.get("created"))
+
+    def stamp(self, name: str) -> list[Any] | None:
+        info = self._info(name)
+        tag = None if info is None else _change_tag(info)
+        return None if tag is None else [info.get("size"), str(tag)]
+
+    def _info(self, name: str) -> dict[str, Any] | None:
         full = self.path(name)
         try:
             self.fs.invalidate_cache(full)
-            info = self.fs.info(full)
+            return self.fs.info(full)
         except OSError:
             return None
-        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
-        return (info.get("size"), str(tag), info.get("created"))
 
     def listdir(self, name: str = "") -> list[str]:
         full = self.path(name) if name else self.root

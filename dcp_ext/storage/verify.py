@@ -19,7 +19,7 @@ from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.formats.transforms import decode, record_limit
-from dcp_ext.storage.catalog import Catalog
+from dcp_ext.storage.catalog import Catalog, stored_metadata_facts
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.formats.data_files import is_data_file
 from dcp_ext.storage.location import Location
@@ -79,6 +79,8 @@ def verify_checkpoint(
         report.faults.append(str(exc))
         return report
     report.indexed = catalog.indexed
+    if catalog.indexed and stored_metadata_facts(location)[1] != catalog.fingerprint:  # a load trusts the marker's stamp
+        report.faults.append(f"{location.url}/.metadata: CRC32C differs from what the index and commit marker recorded (stock DCP readers read this file)")
     report.committed = catalog.committed
     report.save_id = getattr(catalog.metadata.storage_meta, "save_id", None)
     if not catalog.committed and not location.is_local:

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from dcp_ext import ShardReader, clear_metadata_cache
+from dcp_ext import CheckpointError, ShardReader, clear_metadata_cache
 from dcp_ext.formats.data_files import is_data_file
 from dcp_ext.storage.catalog import METADATA_CACHE
 
@@ -228,3 +228,53 @@ def test_clear_caches_empties_every_cache(tmp_path):
     clear_caches()
     assert len(METADATA_CACHE._catalogs) == len(plan_cache._plans) == 0
     assert want  # the zarr checkpoint was real
+
+
+def test_a_load_trusts_the_committed_metadata_by_its_stamp_and_verify_reads_it(tmp_path):
+    """Every rank used to stream ``.metadata`` (169 MB at a million chunks) through its CRC
+    to trust the index; the commit marker now records the file's stamp (size, mtime,
+    inode). Garbage written over it in place with its mtime put back is not read by a
+    load, which the index serves bit-exact, and ``dcp-ext verify`` reports it."""
+    from dcp_ext.storage.verify import verify_checkpoint
+
+    state = sample_state()
+    save(state, tmp_path)
+    metadata = tmp_path / ".metadata"
+    before = os.stat(metadata)
+    with open(metadata, "r+b") as f:
+        f.write(b"\x00" * before.st_size)
+    os.utime(metadata, ns=(before.st_atime_ns, before.st_mtime_ns))
+    got, reader = load(state, tmp_path, cache_metadata=False)
+    assert_state_dict_equal(got, state)
+    assert reader.catalog.indexed
+    faults = verify_checkpoint(str(tmp_path)).faults
+    assert any(".metadata: CRC32C differs" in fault for fault in faults), faults
+
+
+@pytest.mark.parametrize("change", ["copied", "old marker"])
+def test_a_metadata_without_its_committed_stamp_is_read_through_its_crc(tmp_path, change):
+    """A copy of the file (new inode and mtime), or a marker written before stamps, makes
+    the load stream ``.metadata`` through its CRC as before: the same bytes, so the index
+    still serves; other bytes, and the pickle is read instead of the index."""
+    import json
+
+    state = sample_state()
+    save(state, tmp_path)
+    metadata, marker = tmp_path / ".metadata", tmp_path / ".dcp_ext_commit"
+    if change == "copied":
+        shutil.copy(metadata, tmp_path / "copy")
+        os.replace(tmp_path / "copy", metadata)
+    else:
+        fields = json.loads(marker.read_bytes())
+        assert fields.pop("metadata_stamp")
+        marker.write_text(json.dumps(fields))
+    got, reader = load(state, tmp_path, cache_metadata=False)
+    assert_state_dict_equal(got, state)
+    assert reader.catalog.indexed and reader.catalog.committed
+    with open(metadata, "r+b") as f:  # the last byte (pickle's STOP) flipped: the index no longer vouches for it
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()
