@@ -439,21 +439,29 @@ def run_probe(kind: str, path: str, shards: int, layers: int) -> None:
     chunks = rank_chunks(maker.table(s, t, shards, False)[0])
     out: dict = {}
     with measured(out, "metadata_and_plan"):
-        start = time.perf_counter()
+        start, read_before = time.perf_counter(), bytes_read()
         if kind == "ours":
             metadata = ShardReader(path, cache_metadata=False).read_metadata()
             out["metadata_seconds"] = round(time.perf_counter() - start, 4)
+            out["metadata_bytes_read"] = bytes_read() - read_before
             keys = metadata.state_dict_metadata
             items = [item for fqn, chunk in chunks.items() if keys.facts(fqn) is not None for item in chunk_read_items(keys, fqn, [chunk])]
         else:
             metadata = FileSystemReader(path).read_metadata()
             out["metadata_seconds"] = round(time.perf_counter() - start, 4)
+            out["metadata_bytes_read"] = bytes_read() - read_before
             state = metadata.state_dict_metadata
             items = [item for fqn, chunk in chunks.items() for item in create_read_items_for_chunk_list(fqn, state[fqn], [chunk])]
     out["plan_seconds"] = round(out["metadata_and_plan"]["seconds"] - out["metadata_seconds"], 4)
     out["read_items"] = len(items)
     out["local_plan_bytes"] = len(pickle.dumps(LoadPlan(items)))
     print(json.dumps(out))
+
+
+def bytes_read() -> int:
+    """Bytes this process has read through read calls so far (page-cache hits included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def coordinator_load(job: Job, out: dict) -> None:
