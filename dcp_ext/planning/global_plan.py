@@ -149,10 +149,12 @@ class _Structure:
 
     @functools.cached_property
     def classes(self) -> _Classes:
+        """Boxes by holders: built once for the replica check, the balance and the units."""
         return holder_classes(self.groups, self.rows, self.boxes)
 
     @functools.cached_property
     def shared(self) -> SharedRows:
+        """Each group's rows of shared classes: built once for the replica check and the units."""
         return shared_rows(self)
 
 
@@ -208,7 +210,7 @@ def _assign(structure: _Structure, cuts: Cuts, tp_ranks: Sequence[int | None] | 
         classes = structure.classes
         load = np.zeros(ranks, np.int64)
         writer = _balance(classes, boxes.weight, load)
-        row_of = _RowFinder(structure, classes)
+        row_of = _RowFinder(structure)
         writer_row = row_of(np.arange(len(boxes.fqn)), writer)
     copy_box = copy_rank = copy_tp = np.zeros(0, np.int64)
     if tp_ranks is not None:
@@ -831,10 +833,10 @@ class _RowFinder:
     holder groups, so the row is the box's first plus the group's place among them (a
     search over the shared classes' holders, not over the rows)."""
 
-    def __init__(self, structure: _Structure, classes: _Classes) -> None:
-        self._structure, self._classes = structure, classes
+    def __init__(self, structure: _Structure) -> None:
+        self._structure, self._classes = structure, structure.classes
         self._groups = len(structure.groups.tables)
-        shared = list(enumerate(classes.holders))[self._groups :]
+        shared = list(enumerate(self._classes.holders))[self._groups :]
         self._keys = np.concatenate([np.zeros(0, np.int64), *(cls * self._groups + held for cls, held in shared)])
         self._places = np.concatenate([np.zeros(0, np.int64), *(np.arange(len(held)) for _, held in shared)])
 
