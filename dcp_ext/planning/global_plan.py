@@ -11,7 +11,9 @@ row-sized buffers are few and reused:
   dim and every combination occurs once) settles the common case in numpy; other layouts
   go through a sweep that finds partial overlaps (nonuniform TP: refined, see
   ``dedup.refine_items``) or bounds/volume errors like DCP's own validation;
-* replica check: chunk digests compared per group member and across groups;
+* replica check: chunk digests compared per group member, and across groups over each
+  holder class's k x m matrix of rows (``shared_rows``: k boxes, m holder groups), which
+  also gives the replica units and each rank's row for a box it writes;
 * balanced dedup: boxes held by the same set of groups form a class; after every box with
   a single holder has been counted, each class's boxes (largest first) fill its members up
   to a common level of bytes (``_fill``), heaviest classes first;
@@ -344,7 +346,7 @@ def _lexsorted_box_order(rows: _Rows) -> BoxOrder:
     return BoxOrder(order, new, rows.fqn[first], _Chunks(*(column[first] for column in chunks)))
 
 
-SORT_BATCH_ROWS = 1 << 16  # rows per pass: a batch's work arrays stay in cache (1 M rows: 4.9 s of coding at 16,384 ranks, 64 K: 3.6 s)
+BATCH_ROWS = 1 << 16  # rows per pass: a batch's work arrays stay in cache (1 M rows: 4.9 s of coding at 16,384 ranks, 64 K: 3.6 s)
 
 
 class _BatchWork:
@@ -352,7 +354,7 @@ class _BatchWork:
     each batch's temporaries cost as much kernel time (page faults) as the arithmetic."""
 
     def __init__(self, rows: _Rows) -> None:
-        size = max([SORT_BATCH_ROWS, *(len(t) for t in rows.tables)])
+        size = max([BATCH_ROWS, *(len(t) for t in rows.tables)])
         self.rows = rows
         self.ndim = np.empty(size, np.int8)
         self.off = np.empty((size, rows.dims), np.int64)
@@ -463,10 +465,10 @@ def _code_rows(work: _BatchWork, chunks: _Chunks, fqn: np.ndarray, extents: list
 
 
 def _batches(rows: _Rows) -> Iterator[tuple[int, int]]:
-    """Runs of whole tables of about SORT_BATCH_ROWS rows, as (first table, table after)."""
+    """Runs of whole tables of about BATCH_ROWS rows, as (first table, table after)."""
     first = 0
     while first < len(rows.tables):
-        last = int(np.searchsorted(rows.starts, rows.starts[first] + SORT_BATCH_ROWS, "right")) - 1
+        last = int(np.searchsorted(rows.starts, rows.starts[first] + BATCH_ROWS, "right")) - 1
         last = min(max(last, first + 1), len(rows.tables))
         yield first, last
         first = last
@@ -697,7 +699,7 @@ def shared_rows(structure: _Structure) -> SharedRows:
 
 class _HolderRuns:
     """The holder groups of some boxes (each box's sorted rows' groups, ascending), in
-    batches of about SORT_BATCH_ROWS rows: at 16,384 pure-FSDP ranks the shared boxes have
+    batches of about BATCH_ROWS rows: at 16,384 pure-FSDP ranks the shared boxes have
     48 M rows, and row-sized temporaries cost more in page faults than in arithmetic."""
 
     def __init__(self, rows: _Rows, boxes: _Boxes) -> None:
@@ -710,7 +712,7 @@ class _HolderRuns:
         ends = np.cumsum(counts)
         lo = 0
         while lo < len(chosen):
-            hi = max(int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + SORT_BATCH_ROWS, "right")), lo + 1)
+            hi = max(int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + BATCH_ROWS, "right")), lo + 1)
             batch, n = counts[lo:hi], int(ends[hi - 1] - (ends[lo - 1] if lo else 0))
             box_starts = np.cumsum(batch) - batch
             positions = np.repeat(self._boxes.starts[chosen[lo:hi]] - box_starts, batch) + np.arange(n)

@@ -250,23 +250,24 @@ def read_catalog_inputs(location: Location) -> CatalogInputs:
     if index_bytes is None:
         metadata = _MetadataFile.read(location, keep_bytes=True)
     else:
-        metadata = _committed_metadata(location, marker_bytes)
+        metadata = _committed_metadata(location, marker_bytes, signature[0])
         if metadata is None:
             metadata = _in_background(lambda: _MetadataFile.read(location, keep_bytes=False), "dcp_ext-metadata-crc")
     return CatalogInputs(signature, index_bytes, metadata, marker_bytes)
 
 
-def _committed_metadata(location: Location, marker_bytes: bytes | None) -> _MetadataFile | None:
+def _committed_metadata(location: Location, marker_bytes: bytes | None, metadata_signature: tuple[Any, ...] | None) -> _MetadataFile | None:
     """``.metadata``'s size and CRC32C as the commit marker records them, without reading
     the file, when the file is still the one the marker committed (the same
-    ``Location.stamp``: not rewritten, replaced or copied since); None otherwise."""
+    ``Location.stamp``, taken from the signature already read: not rewritten, replaced or
+    copied since); None otherwise."""
     if marker_bytes is None:
         return None
     try:
         marker = CommitMarker.decode(marker_bytes, MARKER_NAME)
     except CorruptCheckpointError:
         return None  # catalog_from_inputs decides what a torn marker means
-    if marker.metadata_stamp is None or marker.metadata_stamp != location.stamp(METADATA_NAME):
+    if marker.metadata_stamp is None or marker.metadata_stamp != location.stamp_of(metadata_signature):
         return None
     return _MetadataFile((marker.metadata_size, marker.metadata_crc32c), None)
 

@@ -70,12 +70,17 @@ class Location(ABC):
     def signature(self, name: str) -> tuple[Any, ...] | None:
         """A cheap fingerprint that changes when the file is rewritten (None: missing)."""
 
-    @abstractmethod
     def stamp(self, name: str) -> list[Any] | None:
         """What stays the same while ``name`` is the file it was, through renames (None:
         missing, or the store reports nothing that changes with the file). A commit
         records ``.metadata``'s, so a reader can tell the file is the committed one
         without reading it (169 MB at a million chunks, on every rank)."""
+        return self.stamp_of(self.signature(name))
+
+    @abstractmethod
+    def stamp_of(self, signature: tuple[Any, ...] | None) -> list[Any] | None:
+        """The stamp within a ``signature`` of this location's (a reader has one already:
+        no second stat, or request to an object store)."""
 
     @abstractmethod
     def listdir(self, name: str = "") -> list[str]:
@@ -221,8 +226,7 @@ class LocalLocation(Location):
             return None
         return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
-    def stamp(self, name: str) -> list[Any] | None:
-        signature = self.signature(name)
+    def stamp_of(self, signature: tuple[Any, ...] | None) -> list[Any] | None:
         return None if signature is None else list(signature[:3])  # a rename sets the ctime: size, mtime, inode
 
     def listdir(self, name: str = "") -> list[str]:
@@ -317,12 +321,13 @@ class FsspecLocation(Location):
 
     def signature(self, name: str) -> tuple[Any, ...] | None:
         info = self._info(name)
-        return None if info is None else (info.get("size"), str(_change_tag(info)), info.get("created"))
+        if info is None:
+            return None
+        tag = _change_tag(info)
+        return (info.get("size"), None if tag is None else str(tag), info.get("created"))
 
-    def stamp(self, name: str) -> list[Any] | None:
-        info = self._info(name)
-        tag = None if info is None else _change_tag(info)
-        return None if tag is None else [info.get("size"), str(tag)]
+    def stamp_of(self, signature: tuple[Any, ...] | None) -> list[Any] | None:
+        return None if signature is None or signature[1] is None else list(signature[:2])  # size, ETag or mtime
 
     def _info(self, name: str) -> dict[str, Any] | None:
         full = self.path(name)
