@@ -261,6 +261,11 @@ def decode_index(data: bytes, source: str) -> IndexedCheckpoint:
     over the rows can; malformed content raises CorruptCheckpointError naming the key. A
     key's chunks are checked when the key is first used (``index_checks``). Together these
     are the checks ``validate.check_metadata`` applies to a pickled ``.metadata``."""
+    with gc_paused():  # objects per key, no garbage
+        return _decode(data, source)
+
+
+def _decode(data: bytes, source: str) -> IndexedCheckpoint:
     try:
         table = _read_table(pq.ParquetFile(pa.BufferReader(data)))
         header = json.loads(table.schema.metadata[_META_KEY])
@@ -590,6 +595,14 @@ class _KeyRows:
         """(offsets, sizes) of key ``k``'s rows, (rows, ndim) int64 each."""
         return chunk_boxes(self._cols, self.rows(k), int(self.keys.ndim[k]))
 
+    def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bounds, offsets, sizes) of tensor keys ``ks``' rows (keys of one ndim; a key may
+        repeat), checked, key after key: key ``i``'s at ``bounds[i]:bounds[i + 1]``."""
+        rows, bounds = self._groups.stacked(ks)
+        off, size = chunk_boxes(self._cols, rows, int(self.keys.ndim[ks[0]]))
+        self._checks.check_stacked(ks, rows, bounds, off, size)
+        return bounds, off, size
+
     def chunk(self, k: int, row: int) -> ChunkStorageMetadata:
         """Row ``row`` (of tensor key ``k``) as DCP's chunk object."""
         cols = self._cols
@@ -647,6 +660,17 @@ class IndexedKeys(ChunkListsOnDemand):
     def boxes(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, sizes) of a tensor key's chunks in metadata order, (chunks, ndim) each."""
         return self._rows.boxes(self._key_of[fqn])
+
+    def key_facts(self, fqns: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(key numbers, ndims, chunk counts) of tensor keys ``fqns``: what
+        ``stacked_boxes`` takes, and how many rows it gives each."""
+        ks = np.array([self._key_of[fqn] for fqn in fqns], np.int64)
+        bounds = self._rows.bounds
+        return ks, self._keys.ndim[ks], bounds[ks + 1] - bounds[ks]
+
+    def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_KeyRows.stacked_boxes``: the chunks of many keys in one pair of matrices."""
+        return self._rows.stacked_boxes(ks)
 
     def chunk(self, fqn: str, offset: Any) -> ChunkStorageMetadata | None:
         """The chunk of tensor key ``fqn`` starting at ``offset``, if there is one."""

@@ -45,12 +45,22 @@ class KeyGroups(NamedTuple):
     def rows(self, k: int) -> np.ndarray:
         return self.order[self.bounds[k] : self.bounds[k + 1]]
 
+    def stacked(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of keys ``ks`` (a key may repeat) one key after another, and where each
+        key's rows begin among them (``len(ks) + 1`` bounds)."""
+        first, counts = self.bounds[ks], self.bounds[ks + 1] - self.bounds[ks]
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        if len(ks) and bool((first[1:] == first[:-1] + counts[:-1]).all()):  # adjacent keys: a view
+            return self.order[first[0] : first[0] + bounds[-1]], bounds
+        return self.order[np.arange(bounds[-1]) + np.repeat(first - bounds[:-1], counts)], bounds
+
 
 def row_span(rows: np.ndarray) -> slice | np.ndarray:
-    """``rows`` (ascending and distinct: then first and last tell) as a slice when they are
-    consecutive, as a key's rows are in an index our writer wrote: columns are then read
-    as views, not gathered."""
-    if len(rows) and int(rows[-1]) - int(rows[0]) == len(rows) - 1:
+    """``rows`` as a slice when they are consecutive and ascending, as a key's rows (and
+    several keys' rows in key order) are in an index our writer wrote: columns are then
+    read as views, not gathered."""
+    n = len(rows)
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n < 3 or bool((np.diff(rows) == 1).all())):
         return slice(int(rows[0]), int(rows[-1]) + 1)
     return rows
 
@@ -73,11 +83,13 @@ def chunk_boxes(cols: _Columns, rows: np.ndarray, nd: int) -> tuple[np.ndarray, 
 
 class KeyChecks:
     """Checks the rows of one group (the canonical chunks, or the TP-replica copies,
-    ``copies_of`` the canonical group's checks) key by key, once each, on ``ensure(k)``:
-    a load that never reads a copy never checks one. Keys with one canonical chunk (most
-    keys of a small checkpoint) are checked together when the index opens: one at a time,
-    numpy's fixed costs would be most of a small load's planning. Raises
-    CorruptCheckpointError naming the source, the key and what was expected."""
+    ``copies_of`` the canonical group's checks) key by key, once each, before a key is
+    used: a load that never reads a copy never checks one. Many keys are checked together,
+    a few numpy passes over their rows (one key at a time, numpy's fixed costs are ~25 us a
+    key: a tenth of a second for a rank loading 3,000 keys): those a load plan asks for
+    (``check_stacked``), and when the index opens, the keys with one canonical chunk (most
+    keys of a small checkpoint). Raises CorruptCheckpointError naming the source, the key
+    and what was expected."""
 
     def __init__(self, keys: _Keys, cols: _Columns, groups: KeyGroups, source: str, copies_of: KeyChecks | None = None) -> None:
         self._keys, self._cols, self._groups, self._source = keys, cols, groups, source
@@ -85,46 +97,51 @@ class KeyChecks:
         self._done = bytearray(len(keys.names))  # racing threads may both check a key: harmless
         self._plain = not bool((cols.transforms >= 0).any())  # no compressed record anywhere
         if copies_of is None:
-            self._check_single_chunks()
+            self.ensure_all(np.flatnonzero(np.diff(groups.bounds) == 1))
 
     def ensure(self, k: int) -> None:
         if not self._done[k]:
-            if self._keys.is_tensor[k]:
-                self._check_key(k)
-            self._done[k] = 1
+            self.ensure_all(np.array([k]))
+
+    def ensure_all(self, ks: np.ndarray) -> None:
+        """``ensure`` for each of keys ``ks``."""
+        done = np.frombuffer(self._done, np.uint8)
+        wanted = np.zeros(len(done), bool)
+        wanted[ks] = True
+        todo = np.flatnonzero(wanted & (done == 0) & self._keys.is_tensor)  # not np.unique: it imports numpy.ma (11 ms)
+        ndim = self._keys.ndim[todo]
+        for nd in np.flatnonzero(np.bincount(ndim)).tolist():
+            of_nd = todo[ndim == nd]
+            rows, bounds = self._groups.stacked(of_nd)
+            self.check_stacked(of_nd, rows, bounds, *chunk_boxes(self._cols, rows, nd))
+        done[ks] = 1
+
+    def check_stacked(self, ks: np.ndarray, rows: np.ndarray, bounds: np.ndarray, off: np.ndarray, size: np.ndarray) -> None:
+        """Checks tensor keys ``ks`` (of one ndim; a key may repeat), unless all are checked,
+        from their rows stacked key after key (``KeyGroups.stacked``) and those rows' boxes."""
+        done = np.frombuffer(self._done, np.uint8)
+        if done[ks].all():
+            return
+        counts = np.diff(bounds)
+        shapes = self._keys.extents[self._keys.shape_start[ks][:, None] + np.arange(off.shape[1])]
+        self._check_rows(np.repeat(ks, counts), rows, np.repeat(shapes, counts, axis=0), off, size)
+        if self._canonical is None:
+            self._check_unique(ks, bounds, off, shapes)
+        else:
+            self._canonical.ensure_all(ks)
+            for i, k in enumerate(ks.tolist()):  # copies: few keys have them
+                self._check_copies(k, self._canonical.offsets(k), off[bounds[i] : bounds[i + 1]], shapes[i])
+        done[ks] = 1
 
     def offsets(self, k: int) -> np.ndarray:
         """The chunk offsets of tensor key ``k``'s rows in this group, (rows, ndim)."""
         return chunk_boxes(self._cols, self._groups.rows(k), int(self._keys.ndim[k]))[0]
 
-    def _check_single_chunks(self) -> None:
-        keys, groups = self._keys, self._groups
-        single = np.flatnonzero((np.diff(groups.bounds) == 1) & keys.is_tensor)
-        for nd in np.unique(keys.ndim[single]).tolist():
-            of_nd = single[keys.ndim[single] == nd]
-            rows = groups.order[groups.bounds[of_nd]]
-            ascending = np.argsort(rows, kind="stable")  # row_span's precondition (another writer's row order)
-            of_nd, rows = of_nd[ascending], rows[ascending]
-            shapes = keys.extents[keys.shape_start[of_nd][:, None] + np.arange(nd)]
-            self._check_rows(of_nd, rows, shapes)
-        np.frombuffer(self._done, np.uint8)[single] = 1  # one row: unique by itself
-
-    def _check_key(self, k: int) -> None:
-        start = int(self._keys.shape_start[k])
-        shape = self._keys.extents[start : start + int(self._keys.ndim[k])]
-        off = self._check_rows(k, self._groups.rows(k), shape)
-        if self._canonical is None:
-            self._check_unique(k, off, _chunk_codes(off, shape))
-        else:
-            self._canonical.ensure(k)
-            self._check_copies(k, self._canonical.offsets(k), off, shape)
-
-    def _check_rows(self, key: int | np.ndarray, rows: np.ndarray, shape: np.ndarray) -> np.ndarray:
-        """Each row's chunk lies inside its tensor (``shape``: (ndim,), or one per row) and
-        its plain record holds the chunk's bytes after its payload start (a compressed
-        record may be any size: its decoding is bounded instead). ``key``: the rows' key,
-        or each row's. Returns the offsets."""
-        off, size = chunk_boxes(self._cols, rows, shape.shape[-1])
+    def _check_rows(self, key: np.ndarray, rows: np.ndarray, shape: np.ndarray, off: np.ndarray, size: np.ndarray) -> None:
+        """Each row's chunk (``off``, ``size``) lies inside its tensor (``shape``, one per
+        row) and its plain record holds the chunk's bytes after its payload start (a
+        compressed record may be any size: its decoding is bounded instead). ``key``: each
+        row's key."""
         if ((off | size) < 0).any() or (off > shape - size).any():  # size >= 0 there: no overflow
             n = int(np.argmax(((off | size) < 0).any(axis=1) | (off > shape - size).any(axis=1)))
             fqn = self._fqn(key, n)
@@ -143,28 +160,35 @@ class KeyChecks:
                 self._source, self._fqn(key, n), off[n].tolist(), int(need[n]), cols.file_names.name(int(cols.file[int(rows[n])]), self._fqn(key, n)),
                 int(offset[n]), int(length[n]), int(payload[n]),
             )
-        return off
 
-    def _fqn(self, key: int | np.ndarray, n: int) -> str:
+    def _fqn(self, key: np.ndarray, n: int) -> str:
         """The name of row ``n``'s key."""
-        return self._keys.names[int(key if np.ndim(key) == 0 else key[n])]
+        return self._keys.names[int(key[n])]
 
-    def _check_unique(self, k: int, off: np.ndarray, codes: np.ndarray | None) -> None:
-        """No two canonical rows at one offset. Our writer stores a key's chunks in offset
-        order, so strictly increasing codes need no sort."""
-        if len(off) < 2 or (codes is not None and bool((codes[1:] > codes[:-1]).all())):
-            return
-        ordered = off[np.lexsort(off.T[::-1])] if off.shape[1] else off  # 0-d: every row at ()
-        same = (ordered[1:] == ordered[:-1]).all(axis=1)
-        if same.any():
-            at = ordered[int(np.argmax(same))].tolist()
-            raise CorruptCheckpointError(f"{self._source}: key {self._keys.names[k]!r} has two index rows at offset {at}")
+    def _check_unique(self, ks: np.ndarray, bounds: np.ndarray, off: np.ndarray, shapes: np.ndarray) -> None:
+        """No two canonical rows of a key at one offset (``off``: keys ``ks``' rows, key
+        ``i``'s at ``bounds[i]:bounds[i + 1]``). Our writer stores a key's chunks in offset
+        order, so strictly increasing offset codes need no sort; a key whose codes are not,
+        or do not fit 63 bits, is sorted."""
+        counts = np.diff(bounds)
+        codes, fits = _chunk_codes(off, shapes, counts)
+        key_of_row = np.repeat(np.arange(len(ks)), counts)
+        unordered = (key_of_row[1:] == key_of_row[:-1]) & (codes[1:] <= codes[:-1])
+        suspect = ~fits & (counts > 1)
+        suspect[key_of_row[1:][unordered]] = True
+        for i in np.flatnonzero(suspect).tolist():
+            keyed = off[bounds[i] : bounds[i + 1]]
+            ordered = keyed[np.lexsort(keyed.T[::-1])] if keyed.shape[1] else keyed  # 0-d: every row at ()
+            same = (ordered[1:] == ordered[:-1]).all(axis=1)
+            if same.any():
+                at = ordered[int(np.argmax(same))].tolist()
+                raise CorruptCheckpointError(f"{self._source}: key {self._keys.names[int(ks[i])]!r} has two index rows at offset {at}")
 
     def _check_copies(self, k: int, canonical: np.ndarray, copies: np.ndarray, shape: np.ndarray) -> None:
         """Every TP-replica copy row copies one of the key's canonical chunks."""
-        known, wanted = _chunk_codes(canonical, shape), _chunk_codes(copies, shape)
-        if known is not None and wanted is not None:
-            known = np.sort(known)
+        codes, fits = _chunk_codes(np.concatenate([canonical, copies]), shape[None], np.array([len(canonical) + len(copies)]))
+        if fits[0]:
+            known, wanted = np.sort(codes[: len(canonical)]), codes[len(canonical) :]
             at = np.minimum(np.searchsorted(known, wanted), len(known) - 1) if len(known) else None
             orphan = at is None or bool((known[at] != wanted).any())
         else:
@@ -174,13 +198,19 @@ class KeyChecks:
             raise CorruptCheckpointError(f"{self._source}: replica copies of {self._keys.names[k]!r} have no canonical chunk")
 
 
-def _chunk_codes(off: np.ndarray, shape: np.ndarray) -> np.ndarray | None:
-    """Each chunk's offsets as one int64 in mixed radix (shape + 1 per dim), which orders
-    like the offsets themselves; None when the radix does not fit 63 bits."""
-    radix, place = [], 1
-    for extent in reversed(shape.tolist()):
-        radix.append(place)
-        place *= extent + 1
-    if place > INT64_MAX:
-        return None
-    return off @ np.array(radix[::-1], np.int64) if off.shape[1] else np.zeros(len(off), np.int64)
+def _chunk_codes(off: np.ndarray, shapes: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's offsets as one int64 in mixed radix (its key's shape + 1 per dim), which
+    orders a key's chunks like their offsets, and whether each key's radix fits 63 bits
+    (the codes of a key whose radix does not are meaningless). Key ``i`` has shape
+    ``shapes[i]`` and the next ``counts[i]`` rows of ``off``."""
+    keys, nd = shapes.shape
+    codes = np.zeros(len(off), np.int64)
+    if nd == 0:
+        return codes, np.ones(keys, bool)
+    fits = np.prod(shapes.astype(float) + 1, axis=1) < 2.0**62  # float: a product cannot wrap; rounding stays below 2**63
+    radix = np.ones_like(shapes)
+    radix[:, :-1] = np.cumprod(shapes[:, :0:-1] + 1, axis=1)[:, ::-1]  # wraps only where it does not fit
+    row_radix = np.repeat(radix, counts, axis=0)
+    for d in range(nd):
+        codes += off[:, d] * row_radix[:, d]
+    return codes, fits

@@ -1,12 +1,14 @@
-"""A rank's read items from an index load's columns: overlaps found in numpy, per key.
+"""A rank's read items from an index load's columns: overlaps found in numpy, all keys at once.
 
 DCP's ``create_default_local_load_plan`` walks every saved chunk of every key a rank
 loads (a Python object and a loop step each), and the metadata must have built all those
 objects first: at 1.19 M chunks that is seconds per rank before any byte moves. An index
-load (``formats.index.IndexedKeys``) holds a key's saved chunks as two numpy matrices;
-each local shard's overlap with them is a few vector operations, and only overlapping
-chunks become ``ReadItem``s. A non-tensor value, or a bytes key, goes through DCP's own
-``_create_read_items``; a load from a pickled ``.metadata`` through DCP's planner whole.
+load (``formats.index.IndexedKeys``) holds the saved chunks as numpy matrices; the
+overlaps of every local shard with its key's chunks are a few vector operations over the
+chunks of all the keys a rank loads (in batches, so memory stays bounded), and only
+overlapping chunks become ``ReadItem``s. A non-tensor value, or a bytes key, goes through
+DCP's own ``_create_read_items``; a load from a pickled ``.metadata`` through DCP's
+planner whole.
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
+from dcp_ext.runtime.gc_pause import gc_paused
+
+LocalShard = tuple[str, int, ChunkStorageMetadata]  # key, index in the tensor's chunk list, its box
 
 
+@gc_paused()  # thousands of read items, no garbage
 def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool) -> list[ReadItem]:
     """What DCP's default local load plan holds for ``state_dict`` (same checks, same
     messages, as ``InvalidRequestError``: both the ValueError and the RuntimeError DCP
     raises), computed from the index's columns."""
     items: list[ReadItem] = []
+    shards: list[LocalShard] = []
     chunks_of: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
     for fqn, obj in state_dict.items():
         if fqn not in keys:
@@ -44,8 +51,8 @@ def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool
             raise InvalidRequestError(f"Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
-        items += chunk_read_items(keys, fqn, _local_chunks(obj, chunks_of))
-    return items
+        shards += [(fqn, i, chunk) for i, chunk in enumerate(_local_chunks(obj, chunks_of))]
+    return items + tensor_read_items(keys, shards)
 
 
 def _local_chunks(obj: torch.Tensor, chunks_of: dict[tuple[Any, ...], list[ChunkStorageMetadata]]) -> list[ChunkStorageMetadata]:
@@ -61,57 +68,64 @@ def _local_chunks(obj: torch.Tensor, chunks_of: dict[tuple[Any, ...], list[Chunk
     return chunks
 
 
-PYTHON_PAIRS = 8  # up to this many (local, saved) chunk pairs a key's overlaps are found in plain Python
+BATCH_ROWS = 1 << 15  # saved chunks intersected at once: ~1 MB a matrix
 
 
-def chunk_read_items(keys: IndexedKeys, fqn: str, local_chunks: list[ChunkStorageMetadata]) -> list[ReadItem]:
-    """Read items filling ``local_chunks`` of tensor key ``fqn`` from its saved chunks.
+def tensor_read_items(keys: IndexedKeys, shards: list[LocalShard]) -> list[ReadItem]:
+    """Read items filling each local shard of a tensor key from the key's saved chunks, in
+    DCP's order (shard by shard, saved chunks in metadata order). Shards are intersected in
+    batches of one ndim, keys in index order (so a batch's rows are often one run)."""
+    ks, ndim, counts = keys.key_facts([fqn for fqn, _, _ in shards])
+    by_layout = np.lexsort((ks, ndim))
+    made: list[ReadItem] = []
+    made_for: list[np.ndarray] = []  # the shard each made item fills
+    for batch in _batches(ndim[by_layout], counts[by_layout]):
+        picked = by_layout[batch]
+        items, shard_of = _batch_read_items(keys, [shards[i] for i in picked.tolist()], ks[picked])
+        made += items
+        made_for.append(picked[shard_of])
+    if not made:
+        return []
+    return [made[i] for i in np.argsort(np.concatenate(made_for), kind="stable").tolist()]
 
-    A key with many saved chunks is intersected in numpy; most keys have one or a few,
-    where numpy's per-call cost (~1 us a call) would be most of the work."""
-    off, size = keys.boxes(fqn)
-    if len(off) * len(local_chunks) <= PYTHON_PAIRS:
-        overlaps = _python_overlaps(off, size, local_chunks)
-    else:
-        overlaps = _numpy_overlaps(off, size, local_chunks)
+
+def _batches(ndim: np.ndarray, counts: np.ndarray) -> Iterator[slice]:
+    """Runs of shards of one ndim whose keys hold up to BATCH_ROWS chunks together (a larger key alone)."""
+    ends = np.cumsum(counts)
+    first = 0
+    while first < len(counts):
+        same_ndim = first + int(np.searchsorted(ndim[first:], ndim[first], side="right"))  # ndim is sorted
+        base = int(ends[first - 1]) if first else 0
+        end = min(max(int(np.searchsorted(ends, base + BATCH_ROWS, side="right")), first + 1), same_ndim)
+        yield slice(first, end)
+        first = end
+
+
+def _batch_read_items(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarray) -> tuple[list[ReadItem], np.ndarray]:
+    """The read items of ``shards`` (of one ndim) and, for each, the shard it fills."""
+    bounds, off, size = keys.stacked_boxes(ks)
+    nd, counts = off.shape[1], np.diff(bounds)
+    local = np.array([[*chunk.offsets, *chunk.sizes] for _, _, chunk in shards], np.int64).reshape(len(shards), 2 * nd)
+    start = np.repeat(local[:, :nd], counts, axis=0)
+    first = np.maximum(off, start)
+    last = np.minimum(off + size, start + np.repeat(local[:, nd:], counts, axis=0))
+    inside = np.ones(len(off), bool)
+    for d in range(nd):  # dim by dim: cheaper than a per-row reduction
+        inside &= last[:, d] > first[:, d]
+    hits = np.flatnonzero(inside)
+    shard_of = np.repeat(np.arange(len(shards)), counts)[hits]
+    row = hits - bounds[shard_of]  # the saved chunk's place in its key's chunk list
+    columns = (first - start)[hits], off[hits], (first - off)[hits], (last - first)[hits]
     items = []
-    for local_idx, local, row, start, first, last in overlaps:
+    for s, r, dest, saved, storage, lengths in zip(shard_of.tolist(), row.tolist(), *(c.tolist() for c in columns)):
+        fqn, local_idx, chunk = shards[s]
         items.append(
             _create_read_item_for_tensor(
-                dest_index=MetadataIndex(fqn, local.offsets, local_idx),
-                dest_offsets=[a - b for a, b in zip(first, local.offsets)],
-                storage_index=MetadataIndex(fqn, torch.Size(start), row),
-                storage_offsets=[a - b for a, b in zip(first, start)],
-                lengths=[b - a for a, b in zip(first, last)],
+                dest_index=MetadataIndex(fqn, chunk.offsets, local_idx),
+                dest_offsets=dest,
+                storage_index=MetadataIndex(fqn, torch.Size(saved), r),
+                storage_offsets=storage,
+                lengths=lengths,
             )
         )
-    return items
-
-
-Overlap = tuple[int, ChunkStorageMetadata, int, list[int], list[int], list[int]]  # local idx, local, row, start, first, last
-
-
-def _python_overlaps(off: np.ndarray, size: np.ndarray, local_chunks: list[ChunkStorageMetadata]) -> Iterator[Overlap]:
-    """Each (local chunk, saved row) pair whose boxes intersect, with the intersection's corners."""
-    saved = list(zip(off.tolist(), size.tolist()))
-    for local_idx, local in enumerate(local_chunks):
-        for row, (start, extent) in enumerate(saved):
-            first = [max(a, b) for a, b in zip(start, local.offsets)]
-            last = [min(a + n, b + m) for a, n, b, m in zip(start, extent, local.offsets, local.sizes)]
-            if all(b > a for a, b in zip(first, last)):
-                yield local_idx, local, row, start, first, last
-
-
-def _numpy_overlaps(off: np.ndarray, size: np.ndarray, local_chunks: list[ChunkStorageMetadata]) -> Iterator[Overlap]:
-    """What ``_python_overlaps`` yields, computed per local chunk over all saved chunks at once."""
-    end = off + size
-    for local_idx, local in enumerate(local_chunks):
-        start = np.asarray(local.offsets, np.int64)
-        lo = np.maximum(off, start)
-        hi = np.minimum(end, start + np.asarray(local.sizes, np.int64))
-        inside = np.ones(len(off), bool)
-        for d in range(off.shape[1]):  # dim by dim: numpy's per-row reductions cost ~15 us a call
-            inside &= hi[:, d] > lo[:, d]
-        hits = np.flatnonzero(inside)
-        for row, saved, first, last in zip(hits.tolist(), off[hits].tolist(), lo[hits].tolist(), hi[hits].tolist()):
-            yield local_idx, local, row, saved, first, last
+    return items, shard_of

@@ -195,9 +195,10 @@ def _grid_chunks(shape: torch.Size, rng: random.Random) -> list[ChunkStorageMeta
 
 
 @pytest.mark.mp
-def test_overlaps_found_in_python_and_in_numpy_are_the_read_items_dcp_plans(tmp_path, monkeypatch):
-    """Few (local, saved) chunk pairs are intersected in Python, many in numpy; both give
-    DCP's own read items, on random local grids over the saved 4-rank layouts."""
+def test_overlaps_found_for_all_keys_at_once_are_the_read_items_dcp_plans(tmp_path, monkeypatch):
+    """The local shards of every key are intersected together, in batches of one ndim
+    (one shard's key per batch, or all); both give DCP's own read items, on random local
+    grids over the saved 4-rank layouts."""
     from dcp_ext.formats.safe_pickle import load_metadata_pickle
     from dcp_ext.planning import load_plan
     from dcp_ext.storage.catalog import read_catalog
@@ -209,18 +210,22 @@ def test_overlaps_found_in_python_and_in_numpy_are_the_read_items_dcp_plans(tmp_
     with open(f"{path}/.metadata", "rb") as f:
         pickled = load_metadata_pickle(f.read(), path).state_dict_metadata
     describe = lambda items: sorted(
-        (i.dest_index.index, tuple(i.dest_index.offset), i.storage_index.index, tuple(i.storage_index.offset),
+        (i.dest_index.fqn, i.dest_index.index, tuple(i.dest_index.offset), i.storage_index.index, tuple(i.storage_index.offset),
          tuple(i.dest_offsets), tuple(i.storage_offsets), tuple(i.lengths))
         for i in items
     )
     rng = random.Random(5)
-    for fqn in ("w", "m", "e"):
-        for _ in range(20):
-            local = _grid_chunks(pickled[fqn].size, rng)
-            stock = describe(create_read_items_for_chunk_list(fqn, pickled[fqn], local))
-            for pairs in (0, 10**6):  # numpy only, Python only
-                monkeypatch.setattr(load_plan, "PYTHON_PAIRS", pairs)
-                assert describe(load_plan.chunk_read_items(keys, fqn, local)) == stock, (fqn, pairs, local)
+    for _ in range(20):
+        grids = {fqn: _grid_chunks(pickled[fqn].size, rng) for fqn in ("w", "norm", "m", "e")}
+        stock = describe(item for fqn, local in grids.items() for item in create_read_items_for_chunk_list(fqn, pickled[fqn], local))
+        shards = [(fqn, i, chunk) for fqn, local in grids.items() for i, chunk in enumerate(local)]
+        place = {(fqn, i): n for n, (fqn, i, _) in enumerate(shards)}
+        for batch_rows in (1, load_plan.BATCH_ROWS):
+            monkeypatch.setattr(load_plan, "BATCH_ROWS", batch_rows)
+            ours = load_plan.tensor_read_items(keys, shards)
+            assert describe(ours) == stock, (batch_rows, grids)
+            filled = [place[(item.dest_index.fqn, item.dest_index.index)] for item in ours]
+            assert filled == sorted(filled), "read items in shard order, as DCP plans them"
 
 
 @pytest.mark.mp

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats import index as index_module
 from dcp_ext.formats.index import StoredItem, decode_index, encode_index, ragged_take
+from dcp_ext.planning import load_plan
+from dcp_ext.planning.load_plan import tensor_read_items
 
 
 def chunk(offsets, sizes) -> ChunkStorageMetadata:
@@ -184,7 +186,8 @@ def test_a_faulty_key_is_refused_when_used_and_the_others_still_answer(fault):
     keys = back.metadata.state_dict_metadata
     assert keys["norm"] == metadata.state_dict_metadata["norm"]
     assert back.items[MetadataIndex("norm", [0])] == items[MetadataIndex("norm", [0])]
-    for use in (lambda: keys["w"], lambda: keys.boxes("w"), lambda: back.items[MetadataIndex("w", [0, 0])], lambda: dict(back.items)):
+    plan = lambda: tensor_read_items(keys, [("norm", 0, chunk([0], [7])), ("w", 0, chunk([0, 0], [5, 3]))])
+    for use in (lambda: keys["w"], lambda: keys.boxes("w"), lambda: back.items[MetadataIndex("w", [0, 0])], lambda: dict(back.items), plan):
         with pytest.raises(CorruptCheckpointError, match=message):
             use()
 
@@ -216,3 +219,48 @@ def test_one_chunk_keys_in_another_writers_row_order_are_checked_against_their_o
     back = decode_index(rewritten(data, swap_b_and_c), "ckpt/.index")
     assert dict(back.metadata.state_dict_metadata) == state
     assert dict(back.items) == items
+
+
+def _grid(shape: list[int], rng: np.random.Generator) -> list[ChunkStorageMetadata]:
+    """The chunks of a random grid over ``shape``: each dim cut at up to two points."""
+    if not shape:
+        return [chunk([], [])]
+    cuts = [sorted({0, n, *rng.integers(1, n, size=rng.integers(0, 3)).tolist()}) if n > 1 else [0, n] for n in shape]
+    spans = [list(zip(c[:-1], c[1:])) for c in cuts]
+    boxes = np.array(np.meshgrid(*[np.arange(len(s)) for s in spans], indexing="ij")).reshape(len(shape), -1).T
+    return [chunk([spans[d][i][0] for d, i in enumerate(box)], [spans[d][i][1] - spans[d][i][0] for d, i in enumerate(box)]) for box in boxes]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_over_keys_of_every_ndim_with_rows_in_any_order_is_dcps(seed, monkeypatch):
+    """Keys of 0 to 3 dims, each saved as a random grid, rows shuffled (another writer's
+    order: a batch's rows are then gathered, never taken for a run), random local grids:
+    the read items are DCP's own, whatever the batch size."""
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    rng = np.random.default_rng(seed)
+    shapes = {f"k{n}": rng.integers(1, 9, size=n % 4).tolist() for n in range(12)}
+    state = {fqn: TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), _grid(shape, rng)) for fqn, shape in shapes.items()}
+    items = {
+        MetadataIndex(fqn, c.offsets): StoredItem("__0_0.distcp", 4096 * n, 4 * int(np.prod(c.sizes)), -1, n)
+        for n, (fqn, c) in enumerate((fqn, c) for fqn, md in state.items() for c in md.chunks)
+    }
+    metadata = Metadata(state, planner_data={fqn: (fqn,) for fqn in shapes})
+    order = rng.permutation(len(items))
+
+    def shuffle(rows):
+        for column, values in rows.items():
+            rows[column] = [values[i] for i in order]
+
+    back = decode_index(rewritten(encode_index(metadata, items, pickle.dumps(metadata), 1), shuffle), "ckpt/.index")
+    keys = back.metadata.state_dict_metadata
+    local = {fqn: _grid(shape, rng) for fqn, shape in shapes.items()}
+    describe = lambda made: sorted(
+        (i.dest_index.fqn, i.dest_index.index, tuple(i.storage_index.offset), i.storage_index.index, tuple(i.dest_offsets), tuple(i.storage_offsets), tuple(i.lengths))
+        for i in made
+    )
+    stock = describe(item for fqn, chunks in local.items() for item in create_read_items_for_chunk_list(fqn, keys[fqn], chunks))
+    shards = [(fqn, i, c) for fqn, chunks in local.items() for i, c in enumerate(chunks)]
+    for batch_rows in (1, 5, load_plan.BATCH_ROWS):
+        monkeypatch.setattr(load_plan, "BATCH_ROWS", batch_rows)
+        assert describe(tensor_read_items(keys, shards)) == stock
