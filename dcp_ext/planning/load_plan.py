@@ -72,9 +72,10 @@ BATCH_ROWS = 1 << 15  # saved chunks intersected at once: ~1 MB a matrix
 
 
 def tensor_read_items(keys: IndexedKeys, shards: list[LocalShard]) -> list[ReadItem]:
-    """Read items filling each local shard of a tensor key from the key's saved chunks, in
-    DCP's order (shard by shard, saved chunks in metadata order). Shards are intersected in
-    batches of one ndim, keys in index order (so a batch's rows are often one run)."""
+    """Read items filling each local shard of a tensor key from the key's saved chunks:
+    DCP's items, shard by shard as DCP lists them (a shard's saved chunks in metadata
+    order, where DCP sweeps them by offset). Shards are intersected in batches of one
+    ndim, keys in index order (so a batch's rows are often one run)."""
     ks, ndim, counts = keys.key_facts([fqn for fqn, _, _ in shards])
     by_layout = np.lexsort((ks, ndim))
     made: list[ReadItem] = []
