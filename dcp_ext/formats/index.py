@@ -598,8 +598,11 @@ class _KeyRows:
     def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(bounds, offsets, sizes) of tensor keys ``ks``' rows (keys of one ndim; a key may
         repeat), checked, key after key: key ``i``'s at ``bounds[i]:bounds[i + 1]``."""
+        ndim = self.keys.ndim[ks]
+        if bool((ndim != ndim[0]).any()):  # one ndim's values per row, or rows would be misread
+            raise ValueError(f"stacked_boxes takes keys of one ndim, got ndims {sorted(set(ndim.tolist()))}")
         rows, bounds = self._groups.stacked(ks)
-        off, size = chunk_boxes(self._cols, rows, int(self.keys.ndim[ks[0]]))
+        off, size = chunk_boxes(self._cols, rows, int(ndim[0]))
         self._checks.check_stacked(ks, rows, bounds, off, size)
         return bounds, off, size
 

@@ -264,3 +264,13 @@ def test_a_plan_over_keys_of_every_ndim_with_rows_in_any_order_is_dcps(seed, mon
     for batch_rows in (1, 5, load_plan.BATCH_ROWS):
         monkeypatch.setattr(load_plan, "BATCH_ROWS", batch_rows)
         assert describe(tensor_read_items(keys, shards)) == stock
+
+
+def test_stacked_boxes_refuse_keys_of_several_ndims():
+    """A row's offsets are read as its batch's ndim of values: keys of another ndim would be misread."""
+    keys = decode_index(encoded()[0], "ckpt/.index").metadata.state_dict_metadata
+    ks, _, _ = keys.key_facts(["w", "norm"])
+    with pytest.raises(ValueError, match="one ndim"):
+        keys.stacked_boxes(ks)
+    bounds, off, size = keys.stacked_boxes(ks[:1])
+    assert bounds.tolist() == [0, 2] and off.tolist() == [[0, 0], [3, 0]] and size.tolist() == [[3, 3], [2, 3]]
