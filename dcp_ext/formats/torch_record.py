@@ -7,11 +7,14 @@ stream transform. Keeping both directions here keeps the writer and the parser a
 on one format.
 
 Writing (``RecordSink``, ``write_tensor``, ``write_bytes``): because the bytes are
-stock's, stock ``FileSystemReader`` reads our files. While ``torch.save`` streams a record
-out we compute a CRC32C of every byte and note where the tensor bytes start:
-``torch.save`` hands the storage to ``write`` as one zero-copy buffer at the tensor's own
-address, so the index can send later reads straight there. (Empty tensors have no such
-write; for them the record's captured first and last few KiB go through the parser.)
+``torch.save``'s, stock ``FileSystemReader`` reads our files. We compute a CRC32C of every
+record and note where the tensor bytes start (``torch.save`` hands the storage over as
+one zero-copy write at the tensor's own address), so the index can send later reads
+straight there. A record with our CRC32C is written without the zip CRC-32s (as
+``torch.serialization.set_crc32_options(False)`` would; ``torch.load`` does not check
+them), so its bytes around the storage are the same for every tensor of one dtype and
+shape: they are made once per kind and file (``RecordFrames``). (Empty tensors have no
+storage write; for them the record goes through the parser.)
 
 Reading (``parse_tensor_record``): knowing the entry's offset, dtype, shape and strides
 lets a reader copy exactly the bytes it needs straight into the destination tensor. The
@@ -31,6 +34,7 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,7 +85,7 @@ class TensorLayout:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int  # in elements
-    payload_crc32: int | None  # the zip entry's CRC-32 (covers the whole storage)
+    payload_crc32: int | None  # the zip entry's CRC-32 (covers the whole storage); None: not recorded
     conj: bool = False  # the record's conj bit: stored values are the conjugate of the bytes
     neg: bool = False  # the record's neg bit: stored values are the negation of the bytes
 
@@ -261,16 +265,20 @@ def parse_tensor_record(length: int, read_at: Callable[[int, int], bytes], where
         probe = _ProbedRecord(length, read_at)
         with zipfile.ZipFile(probe) as archive:
             entries = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            decoded = _TensorPickleReader(io.BytesIO(archive.read(entries["data.pkl"]))).load()
-            if not isinstance(decoded, _Rebuild):
-                raise UnsafeCheckpointError("record does not hold a plain tensor")
-            _check_byteorder(archive, entries, decoded.dtype)
-            data_entry = entries[f"data/{decoded.storage.key}"]
+        # every CRC-32 is 0 where torch.save was told not to compute them (ours, whose CRC32C
+        # the index holds: ``_save_record``); a computed one is 0 once in 2**32
+        crcs = any(info.CRC for info in entries.values())
+        decoded = _TensorPickleReader(io.BytesIO(_entry_bytes(probe, entries["data.pkl"], crcs, where))).load()
+        if not isinstance(decoded, _Rebuild):
+            raise UnsafeCheckpointError("record does not hold a plain tensor")
+        order = _entry_bytes(probe, entries["byteorder"], crcs, where) if "byteorder" in entries else b"little"
+        _check_byteorder(order, decoded.dtype)
+        data_entry = entries[f"data/{decoded.storage.key}"]
     except CheckpointError as exc:
         raise type(exc)(f"{where}: {exc}") from None
     except (KeyError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, struct.error) as exc:
         raise CorruptCheckpointError(f"{where}: not a readable torch.save tensor record ({exc})") from None
-    payload_offset = _payload_offset(probe, data_entry, length, where)
+    payload_offset = _entry_start(probe, data_entry, where)
     nbytes = data_entry.file_size
     if nbytes != decoded.storage_numel * decoded.dtype.itemsize:
         raise CorruptCheckpointError(
@@ -281,32 +289,42 @@ def parse_tensor_record(length: int, read_at: Callable[[int, int], bytes], where
         raise CorruptCheckpointError(f"{where}: record sets the conj bit on a {decoded.dtype} tensor")
     layout = TensorLayout(
         payload_offset, nbytes, decoded.dtype, decoded.shape, decoded.stride, decoded.storage_offset,
-        data_entry.CRC, conj=decoded.flags.get("conj", False), neg=decoded.flags.get("neg", False),
+        data_entry.CRC if crcs else None, conj=decoded.flags.get("conj", False), neg=decoded.flags.get("neg", False),
     )
     check_within_storage(layout, decoded.storage_numel, where)
     return layout
 
 
-def _check_byteorder(archive: zipfile.ZipFile, entries: dict[str, zipfile.ZipInfo], dtype: torch.dtype) -> None:
+def _check_byteorder(order: bytes, dtype: torch.dtype) -> None:
     """Refuse bytes in the other byte order (no record means little-endian, as torch.load assumes here)."""
-    order = archive.read(entries["byteorder"]).decode("ascii", "replace") if "byteorder" in entries else "little"
-    if order not in ("little", "big"):
-        raise CorruptCheckpointError(f"record has an unknown byte order {order!r}")
-    if order == "big" and dtype.itemsize > 1:
+    text = order.decode("ascii", "replace")
+    if text not in ("little", "big"):
+        raise CorruptCheckpointError(f"record has an unknown byte order {text!r}")
+    if text == "big" and dtype.itemsize > 1:
         raise CheckpointError(f"record holds big-endian {dtype} bytes; ShardReader reads little-endian records only")
 
 
-def _payload_offset(probe: _ProbedRecord, data_entry: zipfile.ZipInfo, length: int, where: str) -> int:
-    """Where the storage entry's bytes start, from its zip local header."""
-    probe.seek(data_entry.header_offset)
+def _entry_start(probe: _ProbedRecord, entry: zipfile.ZipInfo, where: str) -> int:
+    """Where a stored (uncompressed) zip entry's bytes start in the record, from its local header."""
+    probe.seek(entry.header_offset)
     header = probe.read(_LOCAL_HEADER.size)
     fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else (0,) * 11
     if fields[0] != _LOCAL_HEADER_MAGIC:
-        raise CorruptCheckpointError(f"{where}: bad zip local header for the tensor data")
-    payload_offset = data_entry.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-    if data_entry.compress_type != zipfile.ZIP_STORED or payload_offset + data_entry.file_size > length:
-        raise CorruptCheckpointError(f"{where}: tensor data lies outside its record or is compressed")
-    return payload_offset
+        raise CorruptCheckpointError(f"{where}: bad zip local header for entry {entry.filename!r}")
+    start = entry.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if entry.compress_type != zipfile.ZIP_STORED or start + entry.file_size > probe.length:
+        raise CorruptCheckpointError(f"{where}: zip entry {entry.filename!r} lies outside its record or is compressed")
+    return start
+
+
+def _entry_bytes(probe: _ProbedRecord, entry: zipfile.ZipInfo, crcs: bool, where: str) -> bytes:
+    """A small entry's bytes (the pickle, the byte order), checked against its CRC-32
+    where the record has CRCs (zipfile's own read refuses a record written without)."""
+    probe.seek(_entry_start(probe, entry, where))
+    data = probe.read(entry.file_size)
+    if crcs and zlib.crc32(data) != entry.CRC:
+        raise CorruptCheckpointError(f"{where}: zip entry {entry.filename!r} fails its CRC-32")
+    return data
 
 
 def check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -> None:
@@ -320,51 +338,41 @@ def check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -
 
 
 class RecordSink:
-    """File wrapper handed to ``torch.save``: tracks position, checksum, head and tail.
+    """File wrapper records are written through: tracks position and each record's checksum.
 
-    ``torch.save`` hands over a record in about 40 writes, all but the tensor bytes a few
-    dozen bytes long (zip headers, the pickle); those are gathered and passed to the file
-    and the checksum as one piece, so a record costs a few calls instead of ~120.
+    Small writes (zip headers, pickles, small records) are checksummed as they come and
+    gathered, across records, into writes of at least ``SMALL_WRITE`` bytes; ``drain``
+    passes on the rest. ``frames`` keeps the bytes ``torch.save`` writes around a tensor's
+    storage, per kind of tensor, for the records of this file.
     """
 
     def __init__(self, out: IO[bytes], checksums: bool) -> None:
         self.out = out
         self.checksums = checksums
+        self.frames = RecordFrames(zip_crc=not checksums)  # one checksum per record: ours, or else the zip's
         self.position = 0
         self._start = 0
         self._crc = 0
-        self._head = bytearray()
-        self._tail = bytearray()
-        self._payload: tuple[int, int] = (0, -1)  # (address, nbytes) of the expected tensor bytes
         self._pending = bytearray()  # small writes not yet passed on
-        self.payload_offset: int | None = None  # where they landed, relative to the record
 
-    def begin(self, payload: torch.Tensor | None = None) -> None:
-        """Start a record; ``payload`` is the tensor whose bytes to spot as they pass."""
+    def begin(self) -> None:
+        """Start a record."""
         self._start, self._crc = self.position, 0
-        self._head.clear()
-        self._tail.clear()
-        self._payload = (payload.data_ptr(), payload.nbytes) if payload is not None else (0, -1)
-        self.payload_offset = None
 
     def write(self, data: bytes | memoryview) -> int:
-        """Take one write of the record: note the payload if it is this one, gather or pass it on."""
+        """Take one write of the record: checksum it, and gather it or pass it on."""
         view = memoryview(data).cast("B")
-        n = view.nbytes
-        if n == self._payload[1] and self.payload_offset is None and _address(view) == self._payload[0]:
-            self.payload_offset = self.position - self._start
-        if n < SMALL_WRITE:
+        if self.checksums:
+            self._crc = crc32c.crc32c(view, self._crc)
+        if view.nbytes < SMALL_WRITE:
             self._pending += view
+            if len(self._pending) >= SMALL_WRITE:
+                self.drain()
         else:
-            self._pass_on()
-            self._pass(view)
-        if self._payload[1] < 0:  # no payload to spot: keep the ends for the zip parser
-            if len(self._head) < PROBE_BYTES:
-                self._head += view[: PROBE_BYTES - len(self._head)]
-            self._tail += view[-PROBE_BYTES:]
-            del self._tail[:-PROBE_BYTES]
-        self.position += n
-        return n
+            self.drain()
+            self.out.write(view)
+        self.position += view.nbytes
+        return view.nbytes
 
     @property
     def record_start(self) -> int:
@@ -372,47 +380,98 @@ class RecordSink:
         return self._start
 
     @property
-    def record_length(self) -> int:
-        """Bytes of the current record written so far."""
-        return self.position - self._start
+    def passed(self) -> int:
+        """Bytes handed to the file so far."""
+        return self.position - len(self._pending)
 
-    def _pass(self, data: memoryview | bytearray) -> None:
-        self.out.write(data)
-        if self.checksums:
-            self._crc = crc32c.crc32c(data, self._crc)
-
-    def _pass_on(self) -> None:
-        """Pass the gathered small writes on (the file copies them: the buffer is reused)."""
+    def drain(self) -> None:
+        """Pass the gathered small writes on (the file copies them: the buffer is reused);
+        call before the file is closed."""
         if self._pending:
-            self._pass(self._pending)
+            self.out.write(self._pending)
             self._pending.clear()
 
     def flush(self) -> None:
-        """Nothing: ``torch.save`` flushes after every record, which would cost a write
-        syscall per record; ``finish`` passes a record's last bytes on and the file is
-        flushed once, where it is closed."""
-
-    def read_at(self, offset: int, n: int) -> bytes:
-        """Bytes of the current record, served from the captured head and tail."""
-        length = self.record_length
-        if offset + n <= len(self._head):
-            return bytes(self._head[offset : offset + n])
-        tail_start = length - len(self._tail)
-        if offset >= tail_start:
-            return bytes(self._tail[offset - tail_start : offset - tail_start + n])
-        raise AssertionError("record header not captured")  # zip headers always sit at the ends
+        """Nothing: a stream transform may flush after every record, which would cost a
+        write syscall each; the file is flushed once, where it is closed."""
 
     def finish(self, relative_path: str, payload_offset: int, transforms: tuple[str, ...] = ()) -> StoredItem:
-        """The record is complete: pass its last bytes on and describe it."""
-        self._pass_on()
+        """The record is complete: describe it."""
         return StoredItem(
             relative_path,
             self._start,
-            self.record_length,
+            self.position - self._start,
             payload_offset,
             self._crc if self.checksums else None,
             transforms,
         )
+
+
+@dataclass(frozen=True)
+class Frames:
+    """A ``torch.save`` record of one tensor without its storage bytes: ``before`` + the
+    storage + ``after`` is the record (``apart=False``: the storage was not handed over as
+    a write of its own, or is empty, and ``before`` is the whole record)."""
+
+    before: bytes
+    after: bytes
+    payload_offset: int  # where the storage starts in the record
+    apart: bool
+
+
+class RecordFrames:
+    """The frames of ``torch.save`` records, reused for tensors of one dtype, shape and
+    class. Without zip CRC-32s, a record's bytes around the storage depend on nothing
+    else (the pickle names the dtype, shape and storage; the zip headers the sizes; the
+    serialization id the entry names), so the first tensor of a kind is saved through
+    ``torch.save`` and later ones cost three writes: a model's layers repeat a few shapes.
+    With CRCs every record is saved afresh (its headers hold its storage's CRC-32)."""
+
+    LIMIT = 4096  # kinds remembered per file (each ~2 KB)
+
+    def __init__(self, zip_crc: bool) -> None:
+        self.zip_crc = zip_crc
+        self._known: dict[tuple[type, torch.dtype, torch.Size], Frames] = {}
+
+    def of(self, tensor: torch.Tensor, where: str) -> Frames:
+        """The frames of ``tensor`` (as ``dense_cpu`` returns it)."""
+        kind = (type(tensor), tensor.dtype, tensor.shape)
+        frames = self._known.get(kind)
+        if frames is None:
+            frames = _capture(tensor, self.zip_crc, where)
+            if frames.apart and not self.zip_crc and len(self._known) < self.LIMIT:
+                self._known[kind] = frames
+        return frames
+
+
+class _Capture(io.RawIOBase):
+    """What ``torch.save`` writes, kept in memory, except the tensor's storage itself: it
+    comes as one write at the storage's own address, noted and not copied."""
+
+    def __init__(self, storage: tuple[int, int]) -> None:
+        self.storage = storage  # (address, nbytes)
+        self.parts = [bytearray()]
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if len(self.parts) == 1 and view.nbytes == self.storage[1] > 0 and _address(view) == self.storage[0]:
+            self.parts.append(bytearray())
+        else:
+            self.parts[-1] += view
+        return view.nbytes
+
+
+def _capture(tensor: torch.Tensor, zip_crc: bool, where: str) -> Frames:
+    capture = _Capture((tensor.data_ptr(), tensor.nbytes))
+    _save_record(tensor, capture, zip_crc)
+    before = bytes(capture.parts[0])
+    if len(capture.parts) == 2:
+        return Frames(before, bytes(capture.parts[1]), len(before), True)
+    payload_offset = parse_tensor_record(len(before), lambda offset, n: before[offset : offset + n], where).payload_offset
+    return Frames(before, b"", payload_offset, False)
 
 
 def _address(view: memoryview) -> int:
@@ -445,12 +504,27 @@ def write_tensor(
     tensor = dense_cpu(tensor)
     if transform is not None:
         return _write_transformed(sink, relative_path, transform, lambda stream: torch.save(tensor, stream))
-    sink.begin(tensor if tensor.nbytes else None)
-    torch.save(tensor, sink)
-    payload_offset = sink.payload_offset
-    if payload_offset is None:
-        payload_offset = parse_tensor_record(sink.record_length, sink.read_at, where).payload_offset
-    return sink.finish(relative_path, sink.record_start + payload_offset)
+    frames = sink.frames.of(tensor, where)
+    sink.begin()
+    sink.write(frames.before)
+    if frames.apart:
+        sink.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    sink.write(frames.after)
+    return sink.finish(relative_path, sink.record_start + frames.payload_offset)
+
+
+def _save_record(tensor: torch.Tensor, out: IO[bytes], zip_crc: bool) -> None:
+    """``torch.save(tensor, out)``; ``zip_crc=False`` writes the bytes ``torch.save``
+    writes with ``torch.serialization.set_crc32_options(False)``: every zip entry's CRC-32
+    is 0 (``torch.load`` does not check it). The zip CRC-32 costs 0.25 CPU-seconds per GB
+    and a record that has our CRC32C needs no second checksum; the process-wide option is
+    not touched, so a ``torch.save`` on another thread keeps its CRCs."""
+    if zip_crc:
+        torch.save(tensor, out)
+        return
+    writer = torch._C.PyTorchFileWriter(out, False, torch.serialization._get_storage_alignment())
+    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
 
 
 def write_bytes(

@@ -24,7 +24,11 @@ import crc32c
 import numpy as np
 import torch
 
-from dcp_ext.errors import ChecksumMismatchError, CorruptCheckpointError
+from dcp_ext.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidRequestError,
+)
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, numel
 from dcp_ext.formats.transforms import decode
@@ -229,7 +233,12 @@ def tensor_requests(
         resolve = (lambda: layout.resolve_in_place(dest)) if layout.conj or layout.neg else _nothing
         return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
     box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
-    if verify and (item.checksum is not None or layout.payload_crc32 is not None):
+    if verify:
+        if item.checksum is None and layout.payload_crc32 is None:
+            raise InvalidRequestError(
+                f"{where}: verify_checksums=True, but the record carries no checksum: its zip CRC-32s were not "
+                "written (a dcp_ext record: its CRC32C is in the checkpoint's index, which is missing or stale here)"
+            )
         return [_verified_request(item, box, where)]
     if not layout.is_row_major():
         return [_strided_request(box)]

@@ -112,44 +112,43 @@ def verify_checkpoint(
                         f"{name}: key {index.fqn!r} needs bytes up to {item.offset + item.length}, file has {size}"
                     )
                     continue
-                fault = _check_item(catalog, location, reader, index, item)
+                fault, recorded = _check_item(catalog, location, reader, index, item)
                 if fault:
                     report.faults.append(f"{name}: key {index.fqn!r}: {fault}")
                 report.items_checked += 1
+                report.items_without_checksum += not recorded
                 report.bytes_checked += item.length
                 if progress:
                     progress(done, total)
-    recorded = FORMATS[catalog.format].checksums
-    report.items_without_checksum = sum(
-        1 for index, item in catalog.items.items() if item.checksum is None and (index.offset is None or not recorded)
-    )
     return report
 
 
 def _check_item(  # noqa: ANN001
     catalog: Catalog, location: Location, reader, index: MetadataIndex, item: StoredItem
-) -> str | None:
-    """Return a fault description, or None when the stored item's checksum matches."""
+) -> tuple[str | None, bool]:
+    """(a fault description or None, whether the item records a checksum to check)."""
     if not FORMATS[catalog.format].checksums:
-        return None  # safetensors records none: the structure and file sizes were checked
+        return None, False  # safetensors records none: the structure and file sizes were checked
     if item.checksum is not None:
         value = _stream_crc(reader, item.offset, item.length, crc32c.crc32c)
         expected, algorithm = item.checksum, "crc32c"
     elif item.transforms:  # a stock compressed record: the zip CRC-32s inside the decoded record
         where = f"{location.url}: file {item.relative_path!r} key {index.fqn!r}"
-        return _transformed_fault(reader, item, where, record_limit(catalog.chunk_nbytes(index)))
+        return _transformed_fault(reader, item, where, record_limit(catalog.chunk_nbytes(index))), True
     elif index.offset is not None:  # stock tensor record: the zip entry CRC-32
         try:
             layout = catalog.parse_layout(location, index)  # the index does not keep the zip CRC
         except (CheckpointError, OSError) as exc:
-            return str(exc)
+            return str(exc), True
+        if layout.payload_crc32 is None:
+            return None, False  # written without zip CRCs (ours, its CRC32C in an index not read here)
         value = _stream_crc(reader, item.offset + layout.payload_offset, layout.payload_nbytes, zlib.crc32)
         expected, algorithm = layout.payload_crc32, "crc32"
     else:
-        return None  # a stock bytes item carries no checksum
+        return None, False  # a stock bytes item carries no checksum
     if value != expected:
-        return f"{algorithm} mismatch (recorded {expected:#010x}, read {value:#010x})"
-    return None
+        return f"{algorithm} mismatch (recorded {expected:#010x}, read {value:#010x})", True
+    return None, True
 
 
 def _transformed_fault(reader, item: StoredItem, where: str, limit: int) -> str | None:  # noqa: ANN001

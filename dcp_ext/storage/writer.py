@@ -300,7 +300,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                     stored = write_tensor(sink, name, data, where, self.transform)
                 results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
                 if writeback is not None:
-                    writeback.written(sink.position)
+                    writeback.written(sink.passed)
                 crash_point("mid-file")
+            sink.drain()
         crash_point("after-file")
         return results

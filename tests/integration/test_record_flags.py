@@ -16,11 +16,18 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from dcp_ext.planning.replica_check import chunk_digest
-
 from support import garbage_like, load_error
+
+from dcp_ext import (
+    CheckpointError,
+    ShardLoadPlanner,
+    ShardReader,
+    ShardSavePlanner,
+    ShardWriter,
+)
+from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.formats.torch_record import parse_tensor_record
+from dcp_ext.planning.replica_check import chunk_digest
 
 
 def complex_base() -> torch.Tensor:
@@ -169,3 +176,17 @@ def test_big_endian_record_is_refused(tmp_path, monkeypatch):
         replace_record(tmp_path, "w", torch.arange(12.0).reshape(3, 4))
     error = load_error(state, tmp_path)
     assert isinstance(error, CheckpointError) and "'w'" in str(error) and "big" in str(error)
+
+
+def test_record_pickle_is_checked_against_its_crc():
+    """A record's pickle is read from its zip entry and checked against the entry's CRC-32
+    where torch.save computed one (a record written without CRCs has the index's CRC32C)."""
+    out = io.BytesIO()
+    torch.save(torch.arange(6.0), out)
+    record = bytearray(out.getvalue())
+    read = lambda o, n: bytes(record[o : o + n])
+    assert parse_tensor_record(len(record), read, "r").payload_crc32 is not None
+    at = record.index(b"_rebuild_tensor_v2")  # a byte of the pickle that parses either way
+    record[at + 9] ^= 0x20  # "_rebuild_Tensor_v2"
+    with pytest.raises(CorruptCheckpointError, match=r"r: zip entry '.*data.pkl' fails its CRC-32"):
+        parse_tensor_record(len(record), read, "r")

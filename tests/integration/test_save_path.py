@@ -14,11 +14,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+from dcp_ext.errors import ChecksumMismatchError, InvalidRequestError
+from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.formats.torch_record import parse_tensor_record
 from dcp_ext.storage.verify import verify_checkpoint
 from dcp_ext.storage.writeback import WRITEBACK_BYTES, EarlyWriteback, early_writeback
 
 from mp import run_job
-from support import assert_state_dict_equal, garbage_like
+from support import assert_state_dict_equal, garbage_like, load, load_error, save
 
 BIG_ROWS = 2048  # global rows of each large tensor: 2048 x 4096 fp32 = 32 MiB, 16 MiB per rank
 
@@ -87,3 +90,83 @@ def test_early_writeback_queues_each_stretch_once(tmp_path):
 
 def test_early_writeback_needs_a_real_file():
     assert early_writeback(io.BytesIO()) is None  # no file descriptor: nothing to hand the kernel
+
+
+def _record_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "w": torch.randn(64, 48, generator=g),
+        "w.again": torch.randn(64, 48, generator=g),  # a kind seen before: its frames are reused
+        "w.param": torch.nn.Parameter(torch.randn(64, 48, generator=g)),
+        "w.big": torch.randn(256, 1024, generator=g),  # storage passed on as a write of its own
+        "w.big.again": torch.randn(256, 1024, generator=g),
+        "b": torch.randn(48, generator=g).to(torch.bfloat16),
+        "b.again": torch.randn(48, generator=g).to(torch.bfloat16),
+        "u16": torch.randint(0, 2**16, (7, 3), generator=g).to(torch.uint16),  # a _rebuild_tensor_v3 record
+        "ids": torch.randint(-(2**40), 2**40, (33,), generator=g),
+        "z": torch.randn(5, 3, dtype=torch.complex64, generator=g).conj(),  # stored resolved
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def _torch_save(tensor: torch.Tensor, zip_crc: bool) -> bytes:
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(zip_crc)
+    try:
+        out = io.BytesIO()
+        torch.save(tensor.detach().resolve_conj().contiguous(), out)
+        return out.getvalue()
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_records_are_torch_saves_with_one_checksum(tmp_path, checksums):
+    """A record is byte for byte what torch.save writes: without its zip CRC-32s where the
+    index holds the record's CRC32C (the default), with them where it does not; also where
+    a record reuses the frames of an earlier one of its kind. Stock DCP reads both, and the
+    process-wide torch.save option is left alone."""
+    state = _record_state()
+    save(state, tmp_path, checksums=checksums, thread_count=1)  # one file: later records reuse frames
+    assert torch.serialization.get_crc32_options() is True
+    storage = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data
+    for index, info in storage.items():
+        with open(tmp_path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            record = f.read(info.length)
+        assert record == _torch_save(state[index.fqn], zip_crc=not checksums), index.fqn
+    stock = {k: garbage_like(v) for k, v in state.items()}
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    assert_state_dict_equal(stock, {k: v.detach().resolve_conj() for k, v in state.items()})
+
+
+def test_records_read_without_their_index(tmp_path):
+    """Without the index (deleted, or copied without hidden files) a checkpoint reads from
+    .metadata: a load is bit-exact, a verified load of records whose only checksum was in
+    the index is refused by name, and ``checksums=False`` records verify by zip CRC-32."""
+    state = _record_state()
+    want = {k: v.detach().resolve_conj() for k, v in state.items()}
+    save(state, tmp_path / "crc32c")
+    (tmp_path / "crc32c" / INDEX_NAME).unlink()
+    loaded, _ = load(state, tmp_path / "crc32c", cache_metadata=False)
+    assert_state_dict_equal(loaded, want)
+    error = load_error(state, tmp_path / "crc32c", cache_metadata=False, verify_checksums=True)
+    assert isinstance(error, InvalidRequestError) and "verify_checksums=True" in str(error) and "no checksum" in str(error)
+    report = verify_checkpoint(str(tmp_path / "crc32c"))
+    assert report.ok and not report.indexed and report.items_without_checksum == len(state), report
+
+    save(state, tmp_path / "zip", checksums=False)
+    (tmp_path / "zip" / INDEX_NAME).unlink()
+    loaded, _ = load(state, tmp_path / "zip", cache_metadata=False, verify_checksums=True)
+    assert_state_dict_equal(loaded, want)
+    info = next(v for k, v in dcp.FileSystemReader(str(tmp_path / "zip")).read_metadata().storage_data.items() if k.fqn == "w")
+    with open(tmp_path / "zip" / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        record = f.read(info.length)
+        payload = parse_tensor_record(len(record), lambda o, n: record[o : o + n], "w").payload_offset
+        f.seek(info.offset + payload + 100)
+        f.write(bytes([record[payload + 100] ^ 0x40]))
+    error = load_error(state, tmp_path / "zip", cache_metadata=False, verify_checksums=True)
+    assert isinstance(error, ChecksumMismatchError) and "crc32 mismatch" in str(error), error
+    assert any("'w'" in fault and "crc32 mismatch" in fault for fault in verify_checkpoint(str(tmp_path / "zip")).faults)

@@ -187,7 +187,7 @@ def test_client_killed_mid_commit_on_s3(s3, url, phase, outcome):
 
 def _big_state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(128, 512, generator=g) for i in range(24)}  # 6 MiB in 24 records
+    return {f"layer{i}": torch.randn(128, 512, generator=g) for i in range(64)}  # 16 MiB in 64 records: a save outlasts the kill
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["empty", "over-checkpoint"])
