@@ -236,8 +236,8 @@ def tensor_requests(
     if verify:
         if item.checksum is None and layout.payload_crc32 is None:
             raise InvalidRequestError(
-                f"{where}: verify_checksums=True, but the record carries no checksum: its zip CRC-32s were not "
-                "written (a dcp_ext record: its CRC32C is in the checkpoint's index, which is missing or stale here)"
+                f"{where}: verify_checksums=True, but the record carries no checksum: torch.save wrote it without "
+                "zip CRC-32s (a dcp_ext record has its CRC32C in the checkpoint's index, missing or stale here)"
             )
         return [_verified_request(item, box, where)]
     if not layout.is_row_major():
