@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -147,14 +147,21 @@ class TwoStageExchange:
         self.bytes_received = 0
 
     def run(
-        self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
+        self,
+        requests: Iterable[Request],
+        identity: LoadIdentity,
+        planning_error: BaseException | None = None,
+        expected_bytes: int = 0,
     ) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes this rank read from storage, files it opened).
+        The group plans its own reads, so ``expected_bytes`` (a local reader's task size) is
+        not needed.
 
         Every rank must call this, even one whose planning failed (pass the error): the
         failure is shared in the first collective and raised on every rank alike, as is a
         group whose members load different checkpoints or that is not dcp.load's group.
         """
+        requests = list(requests)
         mine = [(r.path, offset, length) for r in requests for offset, length in r.ranges]
         published = f"{type(planning_error).__name__}: {planning_error}" if planning_error else mine
         everyone: list = [None] * self.world

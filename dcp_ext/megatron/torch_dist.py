@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,8 +110,9 @@ def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, t
         for key in shapes
         for chunk in _reformulated_md(catalog, key).chunks
     ]
-    with ThreadPoolExecutor(_PROBE_THREADS, thread_name_prefix="dcp_ext-mcore") as pool:
-        layouts = dict(zip(indices, pool.map(lambda i: catalog.known_layout(i) or catalog.parse_layout(location, i), indices)))
+    unknown = [index for index in indices if catalog.known_layout(index) is None]
+    parsed = dict(zip(unknown, catalog.parse_layouts(location, unknown, _PROBE_THREADS)))
+    layouts = {index: catalog.known_layout(index) or parsed[index] for index in indices}
     entries = dict(metadata.state_dict_metadata)
     items = {index: item for index, item in catalog.items.items() if index.fqn not in shapes}
     for key, shape in shapes.items():

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +30,10 @@ from dcp_ext.formats.data_files import rank_prefix
 from dcp_ext.formats.index import INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
-from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel, parse_tensor_record
+from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, contiguous_strides, numel
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
 from dcp_ext.runtime.lru import Lru, clear_caches
-from dcp_ext.storage.location import Location
+from dcp_ext.storage.location import Location, RangeReader
 
 METADATA_NAME = ".metadata"
 _SIGNATURE_RETRIES = 3
@@ -142,18 +142,40 @@ class Catalog:
 
     def parse_layout(self, location: Location, index: MetadataIndex) -> TensorLayout:
         """Parse a stock record's zip headers (two small reads) and remember the result."""
+        return self.parse_layouts(location, [index])[0]
+
+    def parse_layouts(self, location: Location, indices: Sequence[MetadataIndex], threads: int = 1) -> list[TensorLayout]:
+        """``parse_layout`` of many records: each file is opened once and its records
+        framed like one parsed before are recognized without parsing (``RecordLayouts``);
+        files go to up to ``threads`` threads (their small reads wait on a cold disk)."""
+        files: dict[str, list[MetadataIndex]] = {}
+        for index in indices:
+            files.setdefault(self.item(index).relative_path, []).append(index)
+
+        def parse_file(path: str) -> list[TensorLayout]:
+            records = RecordLayouts()
+            with location.open_reader(path, files[path][0].fqn) as reader:
+                return [self._parse_layout(reader, records, index) for index in files[path]]
+
+        if threads > 1 and len(files) > 1:
+            with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="dcp_ext-probe") as pool:
+                parsed = list(pool.map(parse_file, files))
+        else:
+            parsed = [parse_file(path) for path in files]
+        layouts = {index: layout for path, found in zip(files, parsed) for index, layout in zip(files[path], found)}
+        return [layouts[index] for index in indices]
+
+    def _parse_layout(self, reader: RangeReader, records: RecordLayouts, index: MetadataIndex) -> TensorLayout:
         item = self.item(index)
         where = f"{self.url}: file {item.relative_path!r} key {index.fqn!r}"
-        try:
-            with location.open_reader(item.relative_path, index.fqn) as reader:
-                def read_at(offset: int, n: int) -> bytes:
-                    buf = bytearray(n)
-                    reader.read_into(item.offset + offset, [memoryview(buf)])
-                    return bytes(buf)
 
-                layout = parse_tensor_record(item.length, read_at, where)
-        except FileNotFoundError:
-            raise  # the caller tells a lost file from one a concurrent save retired
+        def read_at(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            reader.read_into(item.offset + offset, [memoryview(buf)])
+            return bytes(buf)
+
+        try:
+            layout = records.parse(item.length, read_at, where)
         except OSError as exc:
             raise CheckpointError(f"{where}: cannot read the record ({exc})") from exc
         md, chunk = self.chunk(index)

@@ -149,19 +149,27 @@ class DeviceStaging:
     queued on the caller's stream (the destinations may just have been filled there).
     """
 
-    def __init__(self, devices: set[torch.device], pool: StagingPool):
+    def __init__(self, pool: StagingPool):
         self.pool = pool
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        for device in devices:
-            if device.type == "cuda":
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                self.streams[device] = stream
 
     @classmethod
     def for_devices(cls, devices: set[torch.device], count: int, buffer_bytes: int) -> DeviceStaging:
         pin = any(device.type == "cuda" for device in devices) and torch.cuda.is_available()
-        return cls(devices, StagingPool(count, buffer_bytes, pin))
+        staging = cls(StagingPool(count, buffer_bytes, pin))
+        staging.add_devices(devices)
+        return staging
+
+    def add_devices(self, devices: set[torch.device]) -> None:
+        """Side streams for devices met for the first time, before their first request is
+        read (the dict is replaced, not changed: reading threads hold the old one)."""
+        streams = dict(self.streams)
+        for device in devices:
+            if device.type == "cuda" and device not in streams:
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                streams[device] = stream
+        self.streams = streams
 
     @contextmanager
     def device_work(self) -> Iterator[None]:

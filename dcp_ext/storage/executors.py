@@ -11,9 +11,11 @@ go through host staging buffers (``device_staging``) in ``ScatterReads``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 from typing import Any, Protocol
 
 from dcp_ext.errors import CheckpointError
@@ -21,7 +23,7 @@ from dcp_ext.storage.device_staging import STAGING_BUFFER_BYTES, STAGING_BUFFERS
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
 
-TASK_BYTES = 32 << 20  # bytes one thread reads before the next task is picked
+TASK_BYTES = 32 << 20  # least bytes one thread reads before the next task is picked
 SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
 GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
 DEFAULT_BUDGET_BYTES = 256 << 20  # two-stage: bytes of stored data in flight per batch
@@ -57,9 +59,17 @@ class Executor(Protocol):
     collective: bool  # every rank of the group must call run, even one whose planning failed
 
     def run(
-        self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
+        self,
+        requests: Iterable[Request],
+        identity: LoadIdentity,
+        planning_error: BaseException | None = None,
+        expected_bytes: int = 0,
     ) -> tuple[int, set[str]]:
-        """Fill every request; returns (bytes read from storage, files opened)."""
+        """Fill every request; returns (bytes read from storage, files opened).
+
+        ``requests`` may be planned as they are taken (a generator, file by file);
+        ``expected_bytes`` is about what they add up to, known before (it sizes tasks).
+        """
 
 
 EXECUTORS: dict[str, Callable[[ReadSettings], Executor]] = {}
@@ -84,34 +94,44 @@ class ScatterReads:
         self.staging: DeviceStaging | None = None
 
     def run(
-        self, requests: list[Request], identity: LoadIdentity, planning_error: BaseException | None = None
+        self,
+        requests: Iterable[Request],
+        identity: LoadIdentity,
+        planning_error: BaseException | None = None,
+        expected_bytes: int = 0,
     ) -> tuple[int, set[str]]:
         if planning_error is not None:
             raise planning_error
-        requests.sort(key=lambda r: (r.path, r.start))
-        tasks: list[list[Request]] = []
-        task_bytes = 0
-        for request in requests:
-            if not tasks or tasks[-1][0].path != request.path or task_bytes >= TASK_BYTES:
-                tasks.append([])
-                task_bytes = 0
-            tasks[-1].append(request)
-            task_bytes += request.nbytes
-        if not tasks:
-            return 0, set()
-        devices = {r.device for r in requests if r.device is not None}
-        settings = self.settings
-        self.staging = (
-            DeviceStaging.for_devices(devices, settings.staging_buffers, settings.staging_buffer_bytes) if devices else None
-        )
-        run_task = self._run_task if self.staging is None else self._run_staged_task
+        self.staging = None
+        limit = task_limit(expected_bytes, self.settings.thread_count)
+        pool = ThreadPoolExecutor(self.settings.thread_count, thread_name_prefix="dcp_ext-read")
+        futures: list[Future[int]] = []
+        files: set[str] = set()
         try:
-            with ThreadPoolExecutor(min(self.settings.thread_count, len(tasks)), thread_name_prefix="dcp_ext-read") as pool:
-                totals = list(pool.map(run_task, tasks))
+            for task in file_tasks(requests, limit):  # each file's reads start while the next is planned
+                futures.append(pool.submit(self._task_runner(task), task))
+                files.add(task[0].path)
+            total = sum(future.result() for future in futures)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # what has started lands before the error is raised
+            raise
         finally:
+            pool.shutdown()
             if self.staging is not None:  # every copy has landed (or the load failed) past here
                 self.staging.finish()
-        return sum(totals), {task[0].path for task in tasks}
+        return total, files
+
+    def _task_runner(self, task: list[Request]) -> Callable[[list[Request]], int]:
+        """How a task runs: straight into host memory, or through host staging when a
+        request of it lands off the CPU (the staging starts with the first such task)."""
+        devices = {r.device for r in task if r.device is not None}
+        if not devices:
+            return self._run_task
+        if self.staging is None:
+            self.staging = DeviceStaging.for_devices(devices, self.settings.staging_buffers, self.settings.staging_buffer_bytes)
+        else:
+            self.staging.add_devices(devices)
+        return self._run_staged_task
 
     def _run_staged_task(self, task: list[Request]) -> int:
         assert self.staging is not None
@@ -135,6 +155,32 @@ class ScatterReads:
 
 
 register_executor("local", ScatterReads)
+
+
+def task_limit(total_bytes: int, threads: int) -> int:
+    """Bytes per task: a thread's even share of the load (at least TASK_BYTES), so each
+    thread reads one long stretch of a file. Cold reads run 15-20% faster that way than
+    with threads taking turns on neighbouring 32 MiB pieces of the same file."""
+    return max(TASK_BYTES, -(-total_bytes // threads))
+
+
+def file_tasks(requests: Iterable[Request], limit: int) -> Iterator[list[Request]]:
+    """Tasks of one file's requests in offset order, ``limit`` bytes or a little more each.
+
+    Requests come file by file (as the reader plans them); a file's tasks are made once
+    the stream moves past it. A file whose requests come apart is read in separate tasks.
+    """
+    for _, batch in groupby(requests, key=attrgetter("path")):
+        task: list[Request] = []
+        task_bytes = 0
+        for request in sorted(batch, key=attrgetter("start")):
+            if task and task_bytes >= limit:
+                yield task
+                task, task_bytes = [], 0
+            task.append(request)
+            task_bytes += request.nbytes
+        if task:
+            yield task
 
 
 def coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:

@@ -7,8 +7,8 @@ import io
 import os
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from itertools import groupby
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -212,15 +212,18 @@ class ShardReader(StorageReader):
         settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes)
         executor = EXECUTORS["two_stage" if self.two_stage else "local"](settings)
         identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint, self.dcp_rank)
-        requests: list[Request] = []
         commits: list[Callable[[], None]] = []
         try:
-            self._plan_requests(catalog, plan, planner, requests, commits)
+            stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
+            self._check_files(plan.items, stored)
+            requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
+            if executor.collective:  # planned whole first, so that a failure can be shared
+                requests = list(requests)
         except Exception as exc:
             if executor.collective:  # every rank must join, which shares the failure
                 executor.run([], identity, planning_error=exc)  # raises it on every rank
             raise
-        bytes_read, files = executor.run(requests, identity)
+        bytes_read, files = executor.run(requests, identity, expected_bytes=sum(record.length for record in stored))
         self.clock.add("exchange", executor.seconds)
         self.stats.bytes_received += executor.bytes_received
         for commit_item in commits:
@@ -238,20 +241,23 @@ class ShardReader(StorageReader):
         index = read_item.storage_index
         return self._where(self._require_catalog().item_for_rank(index, self.rank).relative_path, index.fqn)
 
-    def _plan_requests(
+    def _requests(
         self,
         catalog: Catalog,
-        plan: LoadPlan,
+        items: list[ReadItem],
+        stored: list[StoredItem],
         planner: LoadPlanner,
-        requests: list[Request],
         commits: list[Callable[[], None]],
-    ) -> None:
-        """Byte-range requests for the plan's items, and what to commit once they land."""
-        stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
-        self._check_files(plan.items, stored)
-        layouts = self._layouts(catalog, plan.items, stored)
-        for read_item, record, layout in zip(plan.items, stored, layouts):
-            requests.extend(self._plan_item(catalog, read_item, record, layout, planner, commits))
+    ) -> Iterator[Request]:
+        """Byte-range requests for the plan's items, file by file in file order, and what
+        to commit once they land. A generator: the executor reads one file while the next
+        is planned."""
+        order = sorted(range(len(items)), key=lambda i: (stored[i].relative_path, stored[i].offset))
+        for _, positions in groupby(order, key=lambda i: stored[i].relative_path):
+            group = list(positions)
+            file_items, file_stored = [items[i] for i in group], [stored[i] for i in group]
+            for read_item, record, layout in zip(file_items, file_stored, self._layouts(catalog, file_items, file_stored)):
+                yield from self._plan_item(catalog, read_item, record, layout, planner, commits)
 
     def _finish_read(self, plan: LoadPlan, bytes_read: int, files: set[str], started: float) -> Future[None]:
         self.stats.bytes_read += bytes_read
@@ -338,7 +344,9 @@ class ShardReader(StorageReader):
 
     def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
         """The tensor layout of each plan item's record (None: read whole, a bytes item or a
-        transformed record); stock records are parsed in parallel, once each."""
+        transformed record). Stock records are parsed once each, all from one open file
+        and most recognized by their frame (``Catalog.parse_layouts``): the items are one
+        file's."""
         layouts: list[TensorLayout | None] = []
         missing: dict[Any, list[int]] = {}  # records whose layout the metadata does not give
         for read_item, record in zip(items, stored):
@@ -348,18 +356,14 @@ class ShardReader(StorageReader):
                 if layout is None:
                     missing.setdefault(read_item.storage_index, []).append(len(layouts))
             layouts.append(layout)
-
-        def probe(index: Any) -> TensorLayout:
-            try:
-                return catalog.parse_layout(self.location, index)
-            except FileNotFoundError:
-                raise self._missing(catalog.item(index).relative_path, index.fqn) from None
-
-        if missing:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp_ext-probe") as pool:
-                for positions, layout in zip(missing.values(), pool.map(probe, missing)):
-                    for i in positions:
-                        layouts[i] = layout
+        try:
+            parsed = catalog.parse_layouts(self.location, list(missing))
+        except FileNotFoundError:  # records parsed here are stock ones, in the file of ``stored``
+            index = next(iter(missing))
+            raise self._missing(catalog.item(index).relative_path, index.fqn) from None
+        for positions, layout in zip(missing.values(), parsed):
+            for i in positions:
+                layouts[i] = layout
         return layouts
 
     def _plan_item(

@@ -1,8 +1,9 @@
-"""Range merging without files: scatter-read runs and two-stage segments.
+"""Range merging without files: scatter-read runs, read tasks and two-stage segments.
 
 ``coalesce`` turns a task's byte ranges into scatter reads: a hole is read through into
 scratch when it is small (record headers) or small against the run, never otherwise.
-``plan_segments`` turns every rank's needs into size-capped segments, each read by one
+``file_tasks`` cuts a load's requests into tasks, each a stretch of one file in offset
+order, of at least ``task_limit`` bytes (a thread's share of the load). ``plan_segments`` turns every rank's needs into size-capped segments, each read by one
 rank that needs it, the same on every rank.
 """
 
@@ -11,11 +12,11 @@ from __future__ import annotations
 import pytest
 
 from dcp_ext.exchange.two_stage import SEGMENT_BYTES, Segment, plan_segments
-from dcp_ext.storage.executors import GAP_BYTES, SMALL_GAP_BYTES, coalesce
+from dcp_ext.storage.executors import GAP_BYTES, SMALL_GAP_BYTES, TASK_BYTES, coalesce, file_tasks, task_limit
 from dcp_ext.storage.read_plan import Request
 
 
-def request(*ranges: tuple[int, int], pieces: int = 1) -> Request:
+def request(*ranges: tuple[int, int], pieces: int = 1, path: str = "f") -> Request:
     """A request whose ranges land in ``pieces`` buffers each (split evenly)."""
 
     def targets() -> list[memoryview]:
@@ -25,7 +26,7 @@ def request(*ranges: tuple[int, int], pieces: int = 1) -> Request:
             out += [memoryview(bytearray(step if n < pieces - 1 else length - step * n)) for n in range(pieces)]
         return out
 
-    return Request("f", "k", list(ranges), targets)
+    return Request(path, "k", list(ranges), targets)
 
 
 def layout(runs: list[tuple[int, list]]) -> list[tuple[int, list[int]]]:
@@ -65,6 +66,37 @@ def test_a_range_fills_several_target_buffers_in_order():
 def test_ranges_before_the_open_run_start_a_new_one():
     runs = coalesce([request((100, 10)), request((0, 10))])  # not in file order: no negative hole
     assert layout(runs) == [(100, [10]), (0, [10])]
+
+
+def tasks_of(requests: list[Request], limit: int) -> list[tuple[str, list[int]]]:
+    return [(task[0].path, [r.start for r in task]) for task in file_tasks(requests, limit)]
+
+
+MIB = 1 << 20
+
+
+def test_a_load_over_as_many_files_as_threads_reads_each_file_in_one_task():
+    """Threads that each read one file through run 15-20% faster on a cold disk than
+    threads taking turns on neighbouring pieces of one file."""
+    requests = [request((n * MIB, MIB), path=f"f{file}") for file in range(4) for n in range(64)]
+    limit = task_limit(4 * 64 * MIB, threads=4)
+    assert tasks_of(requests, limit) == [(f"f{file}", [n * MIB for n in range(64)]) for file in range(4)]
+
+
+def test_one_large_file_is_cut_into_a_stretch_per_thread_in_offset_order():
+    requests = [request((n * MIB, MIB)) for n in reversed(range(256))]
+    tasks = tasks_of(requests, task_limit(256 * MIB, threads=4))
+    assert tasks == [("f", [n * MIB for n in range(start, start + 64)]) for start in range(0, 256, 64)]
+
+
+def test_a_task_is_never_below_the_least_task_size():
+    assert task_limit(10 * MIB, threads=8) == TASK_BYTES
+    assert task_limit(0, threads=1) == TASK_BYTES
+
+
+def test_a_file_whose_requests_come_apart_is_read_in_separate_tasks():
+    requests = [request((0, 10), path="a"), request((0, 10), path="b"), request((10, 10), path="a")]
+    assert tasks_of(requests, TASK_BYTES) == [("a", [0]), ("b", [0]), ("a", [10])]
 
 
 def test_overlapping_needs_share_one_segment_read_by_one_of_their_ranks():

@@ -1,0 +1,107 @@
+"""Stock records recognized by their frame (``RecordLayouts``) instead of parsed one by one.
+
+A stock DCP file holds one ``torch.save`` record per tensor. Once one record of a kind is
+parsed, later ones of the same length are compared with it, leaving out only the bytes
+no parse reads (storage bytes, serialization id, their CRC-32s). The claim to test is
+that this never changes an answer: for every record, and for every byte flipped in the
+parts a parse reads, the result is exactly what a full parse gives, error included.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_ext import ShardLoadPlanner, ShardReader
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.torch_record import PROBE_BYTES, RecordLayouts, _save_record, parse_tensor_record
+
+from support import garbage, load_error
+
+
+def record(tensor: torch.Tensor, zip_crc: bool = True) -> bytes:
+    out = io.BytesIO()
+    _save_record(tensor, out, zip_crc)
+    return out.getvalue()
+
+
+def reader_of(data: bytes):
+    return lambda offset, n: data[offset : offset + n]
+
+
+def outcome(parse, data: bytes):
+    """A parse's layout, or the type and text of what it raised."""
+    try:
+        return parse(len(data), reader_of(data), "f key 'k'")
+    except CheckpointError as exc:
+        return type(exc), str(exc)
+
+
+KINDS = {  # name -> several tensors of one kind (bf16 and fp32 kinds share a byte size)
+    "fp32": lambda n: torch.randn(64, 64) + n,
+    "bf16 of the same bytes": lambda n: torch.randn(64, 128).to(torch.bfloat16) + n,
+    "large": lambda n: torch.randn(300, 100) + n,  # head and tail apart
+    "transposed view": lambda n: (torch.randn(40, 30) + n).t(),
+    "conj view": lambda n: torch.randn(8, 8, dtype=torch.complex64).conj(),
+    "narrowed view": lambda n: torch.randn(50, 60)[5:45],
+    "int8 0-d": lambda n: torch.tensor(n, dtype=torch.int8),
+    "empty": lambda n: torch.empty(0, 7),
+}
+
+
+def test_records_of_a_kind_after_the_first_need_no_full_parse():
+    records = [record(make(n)) for n in range(6) for make in KINDS.values()]
+    layouts = RecordLayouts()
+    for data in records:
+        assert outcome(layouts.parse, data) == outcome(parse_tensor_record, data)
+    assert layouts.parsed_in_full <= len(KINDS) + 2  # a view's varying offset can make a second kind
+    assert layouts.parsed_in_full < len(records) / 2
+
+
+@pytest.mark.parametrize("kind", ["fp32", "large", "conj view"])
+@pytest.mark.parametrize("first_crc, crc", [(True, True), (True, False), (False, False), (False, True)])
+def test_every_flipped_byte_gives_the_full_parse_answer(kind, first_crc, crc):
+    """A record framed like the first in all but one byte of its ends (head and tail),
+    with or without zip CRC-32s on either: same layout or same error as a full parse."""
+    make = KINDS[kind]
+    first, second = record(make(0), first_crc), bytearray(record(make(1), crc))
+    assert len(first) == len(second)
+    head_and_tail = sorted(set(range(min(len(second), PROBE_BYTES))) | set(range(max(0, len(second) - PROBE_BYTES), len(second))))
+    for position in head_and_tail[:: 3 if len(head_and_tail) > 4096 else 1]:
+        second[position] ^= 0xFF
+        layouts = RecordLayouts()
+        layouts.parse(len(first), reader_of(first), "f key 'k'")
+        assert outcome(layouts.parse, bytes(second)) == outcome(parse_tensor_record, bytes(second)), position
+        second[position] ^= 0xFF
+
+
+def test_a_stock_checkpoint_of_mixed_kinds_loads_bit_exact(tmp_path):
+    """Stock DCP's own files (two per rank, several kinds of one byte size) through the
+    reader, into destinations that start as garbage."""
+    state = {f"{name}.{n}": make(n).contiguous() for n in range(5) for name, make in KINDS.items() if "view" not in name}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
+    dcp.load(dst, storage_reader=ShardReader(tmp_path, cache_metadata=False), planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in state.items():
+        assert torch.equal(dst[key], want), key
+
+
+def test_a_corrupt_record_in_a_later_file_fails_the_load_by_name(tmp_path):
+    """Files are planned one after the other while the earlier ones are read: a record of
+    the last file that cannot be parsed fails the load naming it, and no read is left running."""
+    state = {f"w{n}": torch.randn(64, 64) for n in range(8)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    last = sorted(tmp_path.glob("*.distcp"))[-1]
+    data = bytearray(last.read_bytes())
+    at = data.rindex(b"_rebuild_tensor_v2")  # the pickle of the file's last record
+    data[at : at + 18] = b"_rebuild_tensor_vX"
+    last.write_bytes(bytes(data))
+    error = load_error(state, tmp_path, ShardLoadPlanner())
+    assert isinstance(error, CorruptCheckpointError), error
+    assert re.search(rf"file '{last.name}' key 'w\d': zip entry 'archive/data.pkl' fails its CRC-32$", str(error)), error
+    assert not [t for t in threading.enumerate() if t.name.startswith("dcp_ext-read")]
