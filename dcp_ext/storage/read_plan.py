@@ -230,8 +230,10 @@ def tensor_requests(
     whole = device is None and not verify and box_lengths == layout.shape and layout.is_row_major()
     if whole and _direct_capable(dest, layout.dtype) and dest.is_contiguous():  # the common case, kept cheap
         start = base + layout.storage_offset * layout.dtype.itemsize
-        resolve = (lambda: layout.resolve_in_place(dest)) if layout.conj or layout.neg else _nothing
-        return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
+        if layout.conj or layout.neg:  # resolved once every byte has landed: one request
+            resolve = lambda: layout.resolve_in_place(dest)  # noqa: E731
+            return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
+        return _whole_pieces(item.relative_path, key, start, dest)
     box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
     if verify:
         if item.checksum is None and layout.payload_crc32 is None:
@@ -244,6 +246,20 @@ def tensor_requests(
         return [_strided_request(box)]
     view = replace(box, base=box.base + layout.storage_offset * layout.dtype.itemsize)  # the view's first byte
     return [_dense_request(slab) for slab in _slabs(view)]
+
+
+def _whole_pieces(path: str, key: str, start: int, dest: torch.Tensor) -> list[Request]:
+    """A whole record read straight into ``dest``, in pieces of at most SLAB_BYTES: no
+    temporary is involved, but a large tensor read as one request is one thread's work
+    while the others may have finished (a 64 MiB tensor in a 120 MB load)."""
+    nbytes = dest.nbytes
+    if nbytes <= SLAB_BYTES:
+        return [Request(path, key, [(start, nbytes)], lambda: [tensor_bytes(dest)])]
+    return [
+        Request(path, key, [(start + lo, min(SLAB_BYTES, nbytes - lo))],
+                lambda lo=lo: [tensor_bytes(dest)[lo : lo + SLAB_BYTES]])
+        for lo in range(0, nbytes, SLAB_BYTES)
+    ]
 
 
 def _slabs(box: BoxRead) -> Iterator[BoxRead]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_ext.storage.executors import coalesce
+from dcp_ext.storage.executors import coalesce, file_tasks, task_limit
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import SLAB_BYTES, tensor_requests
 
@@ -65,3 +65,15 @@ def test_strided_stock_record_is_read_exactly(tmp_path):
     dest = garbage((4, 3))
     _run(tmp_path, tensor_requests(item, layout, (2, 1), (4, 3), dest, "k", "w", verify=False))
     assert torch.equal(dest, source[2:6, 1:4])
+
+
+def test_a_whole_tensor_over_a_slab_is_read_in_pieces_threads_can_share(tmp_path):
+    source = torch.arange(5 * SLAB_BYTES // 8, dtype=torch.float32).reshape(-1, 1024)  # 2.5 slabs
+    [(item, layout)] = write_records(tmp_path, [source])
+    dest = garbage(tuple(source.shape))  # contiguous, same dtype: read straight into it
+    requests = tensor_requests(item, layout, (0, 0), tuple(dest.shape), dest, "k", "w", verify=False)
+    assert [r.nbytes for r in requests] == [SLAB_BYTES, SLAB_BYTES, source.nbytes - 2 * SLAB_BYTES]
+    assert [r.start for r in requests] == [requests[0].start + n * SLAB_BYTES for n in range(3)]
+    assert len(list(file_tasks(requests, task_limit(source.nbytes, threads=4)))) == 3  # one stretch per thread
+    assert _run(tmp_path, requests) == source.nbytes
+    assert torch.equal(dest, source)
