@@ -31,6 +31,9 @@ class SafeBytesPlanner:
     def __init__(self, planner: LoadPlanner, where: Callable[[ReadItem], str]):
         self._planner = planner
         self._where = where
+        # called once per read item: bound here, not found through __getattr__ each time
+        self.resolve_tensor = planner.resolve_tensor
+        self.commit_tensor = planner.commit_tensor
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         safe_load_bytes(value.getvalue(), self._where(read_item), READER_OPT_OUT)
