@@ -260,6 +260,10 @@ class _ProbedRecord(io.RawIOBase):
             return self.tail[start - self.tail_start : start + n - self.tail_start]
         return None
 
+    def holds(self, start: int, end: int) -> bool:
+        """True when the head and tail (what ``ends`` holds) cover bytes ``[start, end)``."""
+        return end <= len(self.head) or start >= self.tail_start or self.tail_start <= len(self.head)
+
     def end_ranges(self, spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
         """Where each (record position, length) span lies in ``ends()`` (same for every
         record of this length): its parts in the head and in the tail."""
@@ -412,12 +416,14 @@ class _Frame:
 
     @classmethod
     def of(cls, probe: _ProbedRecord, parsed: _Parsed) -> _Frame | None:
-        """None unless every byte left out of the comparison lies in the ends, outside
-        every read the parse made, but for CRC-32 fields whose values it does not use or
-        takes from the match (such records are then always parsed in full)."""
+        """None unless every read the parse made lies in the ends (a read from the middle,
+        such as a pickle longer than the head, is a byte the comparison cannot see) and
+        every byte left out of the comparison lies in the ends, outside every read the
+        parse made, but for CRC-32 fields whose values it does not use or takes from the
+        match (such records are then always parsed in full)."""
         central = _central_headers(probe, parsed)
         starts = sorted({info.header_offset for info in parsed.infos} | {parsed.start_dir})
-        if central is None:
+        if central is None or not all(probe.holds(begin, end) for begin, end in probe.reads):
             return None
         spans: list[tuple[int, int]] = []
         unused: set[int] = set()  # CRC fields read as part of a header, their values not used

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import threading
+import zipfile
 
 import pytest
 import torch
@@ -78,6 +80,43 @@ def test_every_flipped_byte_gives_the_full_parse_answer(kind, first_crc, crc):
         layouts.parse(len(first), reader_of(first), "f key 'k'")
         assert outcome(layouts.parse, bytes(second)) == outcome(parse_tensor_record, bytes(second)), position
         second[position] ^= 0xFF
+
+
+def padded_record_without_crcs(tensor: torch.Tensor, pad: int) -> bytes:
+    """A ``torch.save`` record rewritten with ``pad`` bytes of a pickled string (popped at
+    once: the same tensor) before the pickle's tensor, and every zip CRC-32 set to 0 as in
+    a record written without them (ours, or ``set_crc32_options(False)``)."""
+    archive = zipfile.ZipFile(io.BytesIO(record(tensor)))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
+        for info in archive.infolist():
+            data = archive.read(info.filename)
+            if info.filename.endswith("data.pkl"):  # PROTO 2, then BINUNICODE + POP, then the rest
+                data = data[:2] + b"X" + struct.pack("<I", pad) + b"p" * pad + b"0" + data[2:]
+            rewritten.writestr(info.filename, data)
+    data = bytearray(out.getvalue())
+    check = zipfile.ZipFile(io.BytesIO(bytes(data)))
+    for info in check.infolist():
+        data[info.header_offset + 14 : info.header_offset + 18] = bytes(4)  # local header CRC-32
+    at = check.start_dir
+    for _ in check.infolist():
+        data[at + 16 : at + 20] = bytes(4)  # central directory CRC-32
+        at += 46 + sum(struct.unpack("<HHH", data[at + 28 : at + 34]))
+    return bytes(data)
+
+
+def test_a_record_whose_pickle_reaches_past_the_head_is_always_parsed_in_full():
+    """Two records of one length whose pickles differ only beyond the probed head (no CRC
+    to tell them apart): the second is not taken for the first's frame. Before, it was
+    given the first's shape, (64, 64) for a (32, 128) tensor."""
+    first = padded_record_without_crcs(torch.randn(64, 64), PROBE_BYTES + 2000)
+    second = padded_record_without_crcs(torch.randn(32, 128), PROBE_BYTES + 2000)
+    assert len(first) == len(second) and first[:PROBE_BYTES] == second[:PROBE_BYTES]
+    layouts = RecordLayouts()
+    assert outcome(layouts.parse, first).shape == (64, 64)
+    assert outcome(layouts.parse, second) == outcome(parse_tensor_record, second)
+    assert outcome(layouts.parse, second).shape == (32, 128)
+    assert layouts.parsed_in_full == 3
 
 
 def test_a_stock_checkpoint_of_mixed_kinds_loads_bit_exact(tmp_path):
