@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
 from dcp_ext.errors import InvalidRequestError
+from dcp_ext.planning.local_shards import ChunkMemo, local_chunks
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 Cuts = dict[str, list[list[int]]]  # per key, per dim: the sorted boundaries to split at
@@ -33,11 +33,12 @@ def refine_items(items: list[WriteItem], cuts: Cuts) -> list[WriteItem]:
     return [piece for item in items for piece in _split(item, cuts.get(item.index.fqn))]
 
 
-def chunk_view(obj: Any, item: WriteItem) -> torch.Tensor:
+def chunk_view(obj: Any, item: WriteItem, memo: ChunkMemo) -> torch.Tensor:
     """The local data of a tensor write item, also when refinement made it a sub-chunk of
-    one of ``obj``'s local chunks (DCP's own lookup matches whole chunks only)."""
+    one of ``obj``'s local chunks (DCP's own lookup matches whole chunks only); a
+    DTensor's chunks from the plan's ``memo``."""
     want = item.tensor_data.chunk
-    for local in _create_chunk_list(obj):
+    for local in local_chunks(obj, memo):
         if _contains(local, want):
             data = find_tensor_shard(obj, MetadataIndex(item.index.fqn, local.offsets))
             for dim, (w, n, lo) in enumerate(zip(want.offsets, want.sizes, local.offsets)):

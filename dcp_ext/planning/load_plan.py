@@ -20,11 +20,12 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_item_for_tensor, _create_read_items
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_tensor, _create_read_items
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
+from dcp_ext.planning.local_shards import ChunkMemo, local_chunks
 from dcp_ext.runtime.gc_pause import gc_paused
 
 LocalShard = tuple[str, int, ChunkStorageMetadata]  # key, index in the tensor's chunk list, its box
@@ -37,7 +38,7 @@ def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool
     raises), computed from the index's columns."""
     items: list[ReadItem] = []
     shards: list[LocalShard] = []
-    chunks_of: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
+    memo: ChunkMemo = {}
     for fqn, obj in state_dict.items():
         if fqn not in keys:
             if strict:  # DCP's message; an InvalidRequestError is also the RuntimeError DCP raises
@@ -51,21 +52,8 @@ def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool
             raise InvalidRequestError(f"Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
-        shards += [(fqn, i, chunk) for i, chunk in enumerate(_local_chunks(obj, chunks_of))]
+        shards += [(fqn, i, chunk) for i, chunk in enumerate(local_chunks(obj, memo))]
     return items + tensor_read_items(keys, shards)
-
-
-def _local_chunks(obj: torch.Tensor, chunks_of: dict[tuple[Any, ...], list[ChunkStorageMetadata]]) -> list[ChunkStorageMetadata]:
-    """DCP's chunk list of ``obj``. A DTensor's (~50 us each, its local shape and offset
-    worked out from its placements) is the same for every DTensor of its global shape,
-    mesh and placements: computed once per such layout in a plan."""
-    if type(obj) is not DTensor:
-        return _create_chunk_list(obj)
-    layout = (obj.shape, id(obj.device_mesh), obj.placements)
-    chunks = chunks_of.get(layout)
-    if chunks is None:
-        chunks = chunks_of[layout] = _create_chunk_list(obj)
-    return chunks
 
 
 BATCH_ROWS = 1 << 15  # saved chunks intersected at once: ~1 MB a matrix

@@ -24,6 +24,7 @@ from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, f
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
 from dcp_ext.planning.load_plan import local_read_items
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
+from dcp_ext.planning.local_shards import ChunkMemo, local_write_items
 from dcp_ext.planning.locality import tp_coordinate
 from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
 from dcp_ext.planning.plan_cache import (
@@ -89,11 +90,13 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         self.last_global_plan: GlobalPlan | None = None
         self.plan_reused = False
         self._local_items: list[WriteItem] = []
+        self._chunks: ChunkMemo = {}
 
     def create_local_plan(self) -> SavePlan:
         group = exchange_group(self.group) if self.group is not None else False
         try:
-            items = super().create_local_plan().items  # DCP's WriteItems for this rank
+            self._chunks = {}  # per save: DTensor layouts, for the items and resolve_data
+            items = local_write_items(self.state_dict, self._chunks)  # DCP's WriteItems for this rank
             table = table_from_items(items, self.mappings if self.flatten_state_dict else None)
             digests = chunk_digest_rows(items, self.lookup_object) if self.check_replicas else None
             tp_rank = tp_coordinate(self.state_dict, self.tp_dim) if self.replica_locality else None
@@ -182,7 +185,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if isinstance(write_item.index, ReplicaCopyIndex):  # a TP-replica copy: the same data as the canonical item
             write_item = dataclasses.replace(write_item, index=write_item.index.canonical)
         if write_item.type == WriteItemType.SHARD:  # possibly a refined sub-chunk
-            return chunk_view(self.state_dict[write_item.index.fqn], write_item)
+            return chunk_view(self.state_dict[write_item.index.fqn], write_item, self._chunks)
         return super().resolve_data(write_item)
 
 

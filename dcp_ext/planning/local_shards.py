@@ -1,0 +1,60 @@
+"""A rank's local chunks and save items, a DTensor's layout worked out once per plan.
+
+DCP works out a DTensor's local shape and global offset from its placements (10-50 us,
+more on larger meshes) every time a planner asks: for a save's write item, again in each
+``resolve_data``, and for a load's chunk list. The answer is the same for every DTensor
+of one global shape, mesh and placements (an FSDP2 model has a few such layouts for
+thousands of parameters), so a plan keeps it in a memo per layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_write_items
+from torch.distributed.tensor import DTensor
+
+ChunkMemo = dict[tuple[Any, ...], list[ChunkStorageMetadata]]  # DTensor layout -> its local chunks
+
+
+def local_chunks(obj: torch.Tensor, memo: ChunkMemo) -> list[ChunkStorageMetadata]:
+    """DCP's chunk list of ``obj`` (``_create_chunk_list``); a plain DTensor's from ``memo``.
+
+    A DTensor whose local tensor is itself a subclass lists that tensor's chunks: DCP's."""
+    if type(obj) is not DTensor or type(obj._local_tensor) is not torch.Tensor:
+        return _create_chunk_list(obj)
+    layout = (obj.shape, id(obj.device_mesh), obj.placements)  # the meshes live as long as the plan
+    chunks = memo.get(layout)
+    if chunks is None:  # a racing thread (a writer's resolve_data) computes the same list
+        chunks = memo[layout] = _create_chunk_list(obj)  # raises for Partial placements, as DCP's does
+    return chunks
+
+
+def local_write_items(state_dict: dict[str, Any], memo: ChunkMemo) -> list[WriteItem]:
+    """The items of DCP's ``create_default_local_save_plan`` for ``state_dict``, in its
+    order and with its fields; a plain DTensor's chunk from ``memo``."""
+    items: list[WriteItem] = []
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            continue  # this rank is outside the tensor's submesh
+        if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:
+            items += [_dtensor_item(fqn, obj, chunk) for chunk in local_chunks(obj, memo)]
+        else:
+            items += _create_write_items(fqn, obj)
+    return items
+
+
+def _dtensor_item(fqn: str, obj: DTensor, chunk: ChunkStorageMetadata) -> WriteItem:
+    """DCP's ``_create_write_items_for_dtensor`` with the chunk given."""
+    return WriteItem(
+        index=MetadataIndex(fqn, chunk.offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=chunk.offsets, sizes=chunk.sizes),
+            properties=TensorProperties.create_from_tensor(obj.to_local()),  # requires_grad as DCP records it
+            size=obj.size(),
+        ),
+    )

@@ -1,0 +1,56 @@
+"""A save's local write items with each DTensor layout worked out once (``local_shards``):
+the same items as DCP's own local plan, field for field, on a 2 x 2 mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from dcp_ext.planning.dedup import chunk_view
+from dcp_ext.planning.local_shards import local_write_items
+
+from mp import run_job
+
+
+def _state(rank: int) -> dict[str, object]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # every rank distributes the same global tensors
+    state: dict[str, object] = {}
+    for n in range(3):  # three DTensors of one layout: one memo entry
+        state[f"w{n}"] = distribute_tensor(torch.randn(8, 6), mesh, [Shard(0), Shard(1)])
+    state["uneven"] = distribute_tensor(torch.randn(7, 5), mesh, [Shard(1), Shard(0)])
+    state["replicated"] = distribute_tensor(torch.randn(4), mesh, [Replicate(), Replicate()])
+    state["param"] = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Replicate()]))
+    submesh = DeviceMesh("cpu", [0, 1])  # ranks 2 and 3 are outside it
+    state["on_submesh"] = distribute_tensor(torch.randn(4, 4), submesh, [Shard(0)])
+    state["plain"] = torch.full((3,), float(rank))
+    state["step"] = {"lr": 0.1}
+    return state
+
+
+def _compare_with_dcp(rank: int, world: int) -> int:
+    state = _state(rank)
+    memo: dict = {}
+    ours = local_write_items(state, memo)
+    stock = create_default_local_save_plan(state, rank == 0).items
+    assert ours == stock, (ours, stock)
+    assert len(memo) == (5 if rank < 2 else 4)  # w0-w2 share one; on_submesh only where the rank is in it
+    for item in ours:  # the data each item saves: a DTensor's local values
+        obj = state[item.index.fqn]
+        if isinstance(obj, DTensor):
+            assert torch.equal(chunk_view(obj, item, memo), obj.to_local())
+    partial = DTensor.from_local(torch.ones(2), state["w0"].device_mesh, [Partial(), Replicate()])
+    for make in (lambda: local_write_items({"p": partial}, {}), lambda: create_default_local_save_plan({"p": partial}, True)):
+        with pytest.raises(Exception) as raised:
+            make()
+        assert "Partial" in str(raised.value) or "partial" in str(raised.value)
+    return len(ours)
+
+
+@pytest.mark.mp
+def test_local_write_items_are_dcps_with_each_dtensor_layout_worked_out_once():
+    counts = run_job(_compare_with_dcp, 4)
+    assert counts == [9, 9, 8, 8]  # ranks 2 and 3 hold no shard of the submesh tensor
