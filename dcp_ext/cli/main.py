@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].main(args)
+    except BrokenPipeError:  # the output's reader went away (``| head``): nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
+        return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE
     except CheckpointException as exc:  # raised by dcp.save/load: report the first rank's failure
         error = next(iter(exc.failures.values()))[0] if exc.failures else exc
         if not isinstance(error, (CheckpointError, OSError)):

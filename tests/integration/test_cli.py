@@ -150,3 +150,17 @@ def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsy
     assert main(["verify", str(dst)]) == 0
     want = sample_state(1)
     assert_state_dict_equal(load(want, dst)[0], want)
+
+
+@pytest.mark.mp
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``dcp-ext inspect CKPT | head -1``: the reader leaves before the listing is written;
+    no error line, no traceback, and SIGPIPE's status (it printed "error: [Errno 32]" before)."""
+    save({f"k{n}": torch.zeros(2) for n in range(3000)}, tmp_path)  # a listing over the pipe's buffer
+    process = subprocess.Popen([sys.executable, "-m", "dcp_ext.cli.main", "inspect", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().startswith(b"key")
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 141
+    assert stderr == b""
