@@ -11,6 +11,7 @@ cost per chunk is constant however large the tensor is.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 
@@ -36,14 +37,20 @@ def chunk_digest(tensor: torch.Tensor) -> bytes:
     """Digest of dtype, shape and up to SAMPLES evenly spaced elements (bit patterns)."""
     flat = tensor.detach()
     if flat.numel() > SAMPLES:
-        index = torch.linspace(0, flat.numel() - 1, SAMPLES, dtype=torch.float64).long().to(flat.device)
-        sample = torch.take(flat, index)
+        sample = torch.take(flat, _sample_index(flat.numel(), flat.device))
     else:
         sample = flat.reshape(-1)
     sample = sample.resolve_conj().resolve_neg()  # hash values: a conj/neg view's bytes are not its values
     data = sample.contiguous().view(torch.uint8).cpu().numpy().tobytes()
     header = f"{flat.dtype}{tuple(flat.shape)}".encode()
     return hashlib.blake2b(header + data, digest_size=16).digest()
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
+    """The SAMPLES evenly spaced element positions of a tensor of ``numel`` elements: the
+    same for every chunk of one size (a third of a digest's cost to make), so made once."""
+    return torch.linspace(0, numel - 1, SAMPLES, dtype=torch.float64).long().to(device)
 
 
 def chunk_digest_rows(items: list[WriteItem], lookup: Callable[[MetadataIndex], object]) -> np.ndarray:
