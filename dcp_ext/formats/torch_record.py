@@ -681,10 +681,24 @@ def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+PayloadCopy = Callable[[torch.Tensor, Callable[[memoryview], int]], None]  # (device tensor, write) -> None
+
+
 def write_tensor(
-    sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str, transform: StreamTransformExtension | None = None
+    sink: RecordSink,
+    relative_path: str,
+    tensor: torch.Tensor,
+    where: str,
+    transform: StreamTransformExtension | None = None,
+    copy_out: PayloadCopy | None = None,
 ) -> StoredItem:
-    """Write ``tensor`` as a ``torch.save`` record, noting where its bytes start so reads can go straight there."""
+    """Write ``tensor`` as a ``torch.save`` record, noting where its bytes start so reads can go straight there.
+
+    ``copy_out(tensor, write)`` hands a device tensor's bytes to ``write`` piece by piece
+    through host buffers (the writer's staging): without it, or where the record's frames
+    need the data (zip CRC-32s, a stream transform), the tensor is copied to the CPU whole."""
+    if copy_out is not None and tensor.device.type != "cpu" and transform is None and not sink.frames.zip_crc:
+        return write_device_tensor(sink, relative_path, tensor, where, copy_out)
     tensor = dense_cpu(tensor)
     if transform is not None:
         return _write_transformed(sink, relative_path, transform, lambda stream: torch.save(tensor, stream))
@@ -693,6 +707,23 @@ def write_tensor(
     sink.write(frames.before)
     if frames.apart:
         sink.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    sink.write(frames.after)
+    return sink.finish(relative_path, sink.record_start + frames.payload_offset)
+
+
+def write_device_tensor(
+    sink: RecordSink, relative_path: str, tensor: torch.Tensor, where: str, copy_out: PayloadCopy
+) -> StoredItem:
+    """``write_tensor`` of a tensor whose bytes ``copy_out`` passes on (on a device): the
+    same record bytes, framed by a CPU stand-in of its dtype and shape (the frames do not
+    depend on the data without zip CRC-32s, and the stand-in's storage is never read)."""
+    tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    frames = sink.frames.of(torch.empty(tensor.shape, dtype=tensor.dtype), where)
+    if not frames.apart:  # an empty tensor, or a record torch.save writes otherwise: from a host copy
+        return write_tensor(sink, relative_path, tensor.cpu(), where)
+    sink.begin()
+    sink.write(frames.before)
+    copy_out(tensor, sink.write)
     sink.write(frames.after)
     return sink.finish(relative_path, sink.record_start + frames.payload_offset)
 

@@ -1,5 +1,6 @@
 """Loads into device memory: disk reads land in a bounded pool of host buffers, and each
-filled buffer is copied to the device while the next one is read.
+filled buffer is copied to the device while the next one is read. Saves from device
+memory (``HostCopies``) go the other way through the same kind of pool.
 
 A ``Request`` whose destination lives off the CPU (``Request.device``) hands the executor
 ``DeviceSpan``s where a host request hands memoryviews: byte ranges of the destination (or
@@ -130,6 +131,32 @@ class StagingPool:
         """Buffers not being filled (free or with copies in flight)."""
         with self._changed:
             return len(self._free) + len(self._in_flight)
+
+
+class HostCopies:
+    """Saves from device memory: a device tensor's bytes go to the record writer piece by
+    piece through the pool's host buffers (pinned where CUDA is), so a save holds at most
+    the pool, never a host copy of a whole tensor (``Tensor.cpu()``: pageable, as large as
+    the tensor). A thread copies a piece and writes it before taking the next buffer, so
+    it never waits for a buffer while holding one; writer threads overlap one another's
+    copies and writes. Each copy runs on the tensor's current stream, after the work
+    that produced it. CPU tensors take the same path when handed here (tests)."""
+
+    def __init__(self, count: int = STAGING_BUFFERS, buffer_bytes: int = STAGING_BUFFER_BYTES):
+        self.pool = StagingPool(count, buffer_bytes, pin=torch.cuda.is_available())
+
+    def copy_out(self, tensor: torch.Tensor, write: Callable[[memoryview], int]) -> None:
+        """Hand ``write`` the bytes of the dense ``tensor`` in order, at most a buffer at a time."""
+        flat = tensor.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), self.pool.buffer_bytes):
+            n = min(self.pool.buffer_bytes, flat.numel() - start)
+            buffer = self.pool.acquire()
+            try:
+                piece = buffer[:n]
+                piece.copy_(flat[start : start + n])  # device to host: waits for the copy
+                write(memoryview(piece.numpy()))
+            finally:
+                self.pool.release(buffer)
 
 
 @dataclass

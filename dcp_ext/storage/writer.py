@@ -28,6 +28,7 @@ from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport,
 from dcp_ext.storage.catalog import METADATA_NAME
 from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreferenced
+from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
 from dcp_ext.storage.staging import AsyncStagingMixin
@@ -240,10 +241,11 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         self.location.makedirs()  # the coordinator made it; a rank on its own disk needs it too
         buckets = split_by_bytes(plan.items, self.thread_count)
         results: list[WriteResult] = []
+        copies = HostCopies()  # device tensors' bytes through bounded host buffers (made on first use)
         if buckets:
             with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix="dcp_ext-write") as pool:
                 futures = [
-                    pool.submit(self._write_file, prefix.file_name(n), bucket, planner)
+                    pool.submit(self._write_file, prefix.file_name(n), bucket, planner, copies)
                     for n, bucket in enumerate(buckets)
                 ]
                 for future in futures:
@@ -285,7 +287,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         )
         publish(self.last_report, self.on_report)
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, copies: HostCopies) -> list[WriteResult]:
         results = []
         with self.location.create(name, self.sync_files, needed=sum(map(item_nbytes, items))) as out:
             sink = RecordSink(out, self.checksums)
@@ -297,7 +299,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                     stored = write_bytes(sink, name, data, self.transform)
                 else:
                     where = f"{self.location.url}/{name} key {item.index.fqn!r}"
-                    stored = write_tensor(sink, name, data, where, self.transform)
+                    stored = write_tensor(sink, name, data, where, self.transform, copies.copy_out)
                 results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
                 if writeback is not None:
                     writeback.written(sink.passed)

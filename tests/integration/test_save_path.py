@@ -16,12 +16,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 from dcp_ext.errors import ChecksumMismatchError, InvalidRequestError
 from dcp_ext.formats.index import INDEX_NAME
-from dcp_ext.formats.torch_record import parse_tensor_record
+from dcp_ext.formats.torch_record import RecordSink, parse_tensor_record, write_device_tensor, write_tensor
+from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.verify import verify_checkpoint
 from dcp_ext.storage.writeback import WRITEBACK_BYTES, EarlyWriteback, early_writeback
 
 from mp import run_job
 from support import assert_state_dict_equal, garbage_like, load, load_error, save
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BIG_ROWS = 2048  # global rows of each large tensor: 2048 x 4096 fp32 = 32 MiB, 16 MiB per rank
 
@@ -170,3 +173,37 @@ def test_records_read_without_their_index(tmp_path):
     error = load_error(state, tmp_path / "zip", cache_metadata=False, verify_checksums=True)
     assert isinstance(error, ChecksumMismatchError) and "crc32 mismatch" in str(error), error
     assert any("'w'" in fault and "crc32 mismatch" in fault for fault in verify_checkpoint(str(tmp_path / "zip")).faults)
+
+
+def test_records_through_host_buffers_are_the_same_torch_saves():
+    """The path device tensors take (``write_device_tensor``: frames of a CPU stand-in,
+    the bytes through ``HostCopies``' bounded buffers), driven with CPU tensors and
+    buffers smaller than most tensors: every record and stored item as the direct path
+    writes it, byte for byte torch.save's, and never more buffers than the pool's count."""
+    copies = HostCopies(count=2, buffer_bytes=4000)
+    direct, staged = io.BytesIO(), io.BytesIO()
+    direct_sink, staged_sink = RecordSink(direct, checksums=True), RecordSink(staged, checksums=True)
+    for key, tensor in _record_state().items():
+        want = write_tensor(direct_sink, "f", tensor, key)
+        got = write_device_tensor(staged_sink, "f", tensor, key, copies.copy_out)
+        assert got == want, key
+    direct_sink.drain()
+    staged_sink.drain()
+    assert staged.getvalue() == direct.getvalue()
+    for key, tensor in _record_state().items():  # each record is torch.save's (no zip CRC-32s)
+        assert _torch_save(tensor, zip_crc=False) in staged.getvalue(), key
+    assert copies.pool.allocated == 1  # one thread: one buffer at a time, reused
+
+
+@CUDA
+@pytest.mark.parametrize("checksums", [True, False])
+def test_cuda_tensors_save_through_host_buffers_bit_exact(tmp_path, checksums):
+    """A save of CUDA tensors (the 64 MiB one through several staging buffers) that stock
+    DCP loads back to the CPU bit-exact; with ``checksums=False`` the records need their
+    data for the zip CRC-32s and go through a host copy."""
+    state = {k: v.detach().cuda() for k, v in _record_state().items()}
+    state["huge"] = torch.randn(16 << 20, device="cuda")
+    save(state, tmp_path, checksums=checksums)
+    stock = {k: garbage_like(v.cpu()) for k, v in state.items()}
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    assert_state_dict_equal(stock, {k: v.resolve_conj().cpu() for k, v in state.items()})
