@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -139,24 +139,29 @@ class HostCopies:
     the pool, never a host copy of a whole tensor (``Tensor.cpu()``: pageable, as large as
     the tensor). A thread copies a piece and writes it before taking the next buffer, so
     it never waits for a buffer while holding one; writer threads overlap one another's
-    copies and writes. Each copy runs on the tensor's current stream, after the work
-    that produced it. CPU tensors take the same path when handed here (tests)."""
+    copies and writes. The copies run on the stream that was current where the save
+    began (the writer threads' own current stream is the device's default one), so they
+    follow the work that produced the tensors. CPU tensors take the same path when handed
+    here (tests)."""
 
     def __init__(self, count: int = STAGING_BUFFERS, buffer_bytes: int = STAGING_BUFFER_BYTES):
         self.pool = StagingPool(count, buffer_bytes, pin=torch.cuda.is_available())
+        self._caller = torch.cuda.current_stream() if torch.cuda.is_initialized() else None  # made on the save's thread
 
     def copy_out(self, tensor: torch.Tensor, write: Callable[[memoryview], int]) -> None:
         """Hand ``write`` the bytes of the dense ``tensor`` in order, at most a buffer at a time."""
         flat = tensor.reshape(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), self.pool.buffer_bytes):
-            n = min(self.pool.buffer_bytes, flat.numel() - start)
-            buffer = self.pool.acquire()
-            try:
-                piece = buffer[:n]
-                piece.copy_(flat[start : start + n])  # device to host: waits for the copy
-                write(memoryview(piece.numpy()))
-            finally:
-                self.pool.release(buffer)
+        caller = self._caller if self._caller is not None and self._caller.device == tensor.device else None
+        with torch.cuda.stream(caller) if caller is not None else nullcontext():
+            for start in range(0, flat.numel(), self.pool.buffer_bytes):
+                n = min(self.pool.buffer_bytes, flat.numel() - start)
+                buffer = self.pool.acquire()
+                try:
+                    piece = buffer[:n]
+                    piece.copy_(flat[start : start + n])  # device to host: returns once the copy is done
+                    write(memoryview(piece.numpy()))
+                finally:
+                    self.pool.release(buffer)
 
 
 @dataclass
