@@ -619,10 +619,17 @@ class RecordFrames:
 
     def of(self, tensor: torch.Tensor, where: str) -> Frames:
         """The frames of ``tensor`` (as ``dense_cpu`` returns it)."""
-        kind = (type(tensor), tensor.dtype, tensor.shape)
+        return self._frames((type(tensor), tensor.dtype, tensor.shape), lambda: tensor, where)
+
+    def of_kind(self, dtype: torch.dtype, shape: torch.Size, where: str) -> Frames:
+        """The frames of a plain CPU tensor of ``dtype`` and ``shape`` whose data is elsewhere:
+        a stand-in (never read) is made only when the kind is not known yet."""
+        return self._frames((torch.Tensor, dtype, shape), lambda: torch.empty(shape, dtype=dtype), where)
+
+    def _frames(self, kind: tuple[type, torch.dtype, torch.Size], tensor: Callable[[], torch.Tensor], where: str) -> Frames:
         frames = self._known.get(kind)
         if frames is None:
-            frames = _capture(tensor, self.zip_crc, where)
+            frames = _capture(tensor(), self.zip_crc, where)
             if frames.apart and not self.zip_crc and len(self._known) < self.LIMIT:
                 self._known[kind] = frames
         return frames
@@ -718,7 +725,7 @@ def write_device_tensor(
     same record bytes, framed by a CPU stand-in of its dtype and shape (the frames do not
     depend on the data without zip CRC-32s, and the stand-in's storage is never read)."""
     tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    frames = sink.frames.of(torch.empty(tensor.shape, dtype=tensor.dtype), where)
+    frames = sink.frames.of_kind(tensor.dtype, tensor.shape, where)
     if not frames.apart:  # an empty tensor, or a record torch.save writes otherwise: from a host copy
         return write_tensor(sink, relative_path, tensor.cpu(), where)
     sink.begin()
