@@ -205,7 +205,9 @@ def _resolve_tables(plans: list[ShardLocalPlan]) -> list[PlanTable]:
     held = held_tables()
     tables = []
     for rank, plan in enumerate(plans):
-        table = sent.get(plan.table_digest) or held.get(plan.table_digest)
+        table = sent.get(plan.table_digest)
+        if table is None:  # not ``or``: a rank with nothing to save has an empty table, falsy by its length
+            table = held.get(plan.table_digest)
         if table is None:
             raise InvalidRequestError(
                 f"ShardSavePlanner: rank {rank} sent only its table digest {plan.table_digest.hex()}, which no "

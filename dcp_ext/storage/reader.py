@@ -353,17 +353,20 @@ class ShardReader(StorageReader):
             layout = None
             if read_item.type != LoadItemType.BYTE_IO and not record.transforms:
                 layout = catalog.known_layout(read_item.storage_index, record)
-                if layout is None:
+                if layout is None or (self.verify_checksums and record.checksum is None and layout.payload_crc32 is None):
+                    # a verified read of a record without CRC32C in the index needs its zip CRC-32:
+                    # our index gives its layout but not that (checksums=False), the record does
                     missing.setdefault(read_item.storage_index, []).append(len(layouts))
             layouts.append(layout)
         try:
             parsed = catalog.parse_layouts(self.location, list(missing))
-        except FileNotFoundError:  # records parsed here are stock ones, in the file of ``stored``
+        except FileNotFoundError:  # the records parsed here: stock ones, or the canonical record of one of ours
             index = next(iter(missing))
             raise self._missing(catalog.item(index).relative_path, index.fqn) from None
         for positions, layout in zip(missing.values(), parsed):
-            for i in positions:
-                layouts[i] = layout
+            for i in positions:  # a layout the index gave keeps its offsets (a TP-replica copy's own), takes the CRC
+                known = layouts[i]
+                layouts[i] = layout if known is None else dataclasses.replace(known, payload_crc32=layout.payload_crc32)
         return layouts
 
     def _plan_item(

@@ -166,6 +166,10 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.is_coordinator:  # only it, before any rank writes: it alone knows it created the directory
             self._created_dir = self.location.makedirs()
+            # tracked from here: a planner's global step that raises never reaches prepare_global_plan,
+            # and the directory this save created must still go with the failed save
+            self._token = uuid.uuid4().hex[:12]
+            OPEN_SAVES.track(OpenSave(self.location, self._token, self.save_id, self._created_dir))
         if not self.overwrite and self.location.exists(METADATA_NAME):
             raise CheckpointExistsError(
                 f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
@@ -174,8 +178,6 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         remove_dead_files(self.location)  # no rank writes before the plans go out
-        self._token = uuid.uuid4().hex[:12]
-        OPEN_SAVES.track(OpenSave(self.location, self._token, self.save_id, self._created_dir))
         return [
             dataclasses.replace(p, storage_data=FilePrefix(rank, self._token, self._created_dir))
             for rank, p in enumerate(plans)

@@ -233,3 +233,23 @@ def roundtrip_job(rank: int, world: int, base: str, url_variants: tuple) -> dict
 def test_every_kind_of_entry_round_trips_bit_exact(tmp_path, world, url_variants):
     reports = run_job(roundtrip_job, world, str(tmp_path), url_variants)
     assert [sorted(r) for r in reports] == [sorted(("path",) + url_variants)] * world
+
+
+def empty_rank_job(rank: int, world: int, path: str) -> None:
+    """Rank 1 has nothing to save (a pipeline stage without state): its plan table is empty."""
+    state = {"stage0.w": torch.arange(12.0).reshape(3, 4), "step": 7} if rank == 0 else {}
+    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+    out = {"stage0.w": garbage_like(state["stage0.w"]), "step": 0} if rank == 0 else {}
+    dcp.load(out, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+    assert_state_dict_equal(out, state, f"rank {rank}")
+
+
+@pytest.mark.mp
+def test_a_rank_with_an_empty_state_dict_saves_with_the_others(tmp_path):
+    run_job(empty_rank_job, 2, str(tmp_path / "ckpt"))
+
+
+def test_an_empty_state_dict_saves_and_loads(tmp_path):
+    dcp.save({}, storage_writer=ShardWriter(tmp_path), planner=ShardSavePlanner(), no_dist=True)
+    dcp.load({}, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    assert (tmp_path / ".metadata").is_file()

@@ -200,13 +200,17 @@ def _flip_payload_byte(path, key: str) -> str:
     return item.relative_path
 
 
-@pytest.mark.parametrize("writer", ["ours", "stock"])
+@pytest.mark.parametrize("writer", ["ours", "ours, checksums=False", "stock"])
 def test_flipped_payload_byte_is_caught_with_verify_checksums(tmp_path, writer):
+    """Every record carries one checksum a verified load checks: our CRC32C in the index, or
+    the zip CRC-32 that ``checksums=False`` and stock DCP keep in the record."""
     state = sample_state()
-    if writer == "ours":
-        save(state, tmp_path)
-    else:
+    if writer == "stock":
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path))
+    else:
+        save(state, tmp_path, checksums=writer == "ours")
+    intact, _ = load(state, tmp_path, verify_checksums=True)
+    assert_state_dict_equal(intact, state)
     name = _flip_payload_byte(tmp_path, "w")
     silent, _ = load(state, tmp_path)  # without verification the bytes load as stored
     assert not torch.equal(silent["w"], state["w"]) and silent["w"].shape == state["w"].shape

@@ -6,6 +6,8 @@ Timed kills of a process saving in a loop cover the moments between the hooks. A
 every kill: the directory holds the old checkpoint (phases before the commit point) or
 the complete new one (after it), never a mix; ``verify_checkpoint`` passes and names
 which save it is; and a fresh save into the same directory succeeds and cleans up.
+A save that fails while it is planned (a replica mismatch) leaves no ``step{N}``
+directory behind once the next save through the writer, or its ``close()``, ran.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
@@ -194,3 +198,25 @@ def test_index_and_metadata_from_different_commits_fall_back_to_metadata(tmp_pat
     got, reader = load(first, tmp_path / "a")
     assert_state_dict_equal(got, first)
     assert not reader.catalog.indexed
+
+
+def replica_mismatch_job(rank: int, world: int, root: str) -> list[str]:
+    """Both ranks save ``w`` at the same offsets with different values: the save planner's
+    global step refuses it, after the coordinator created the save's new directory."""
+    writer = ShardWriter(root)
+    with pytest.raises(CheckpointException):
+        dcp.save({"w": torch.full((4,), float(rank))}, storage_writer=writer, planner=ShardSavePlanner(),
+                 checkpoint_id=os.path.join(root, "step1"))
+    good = {"w": torch.arange(4.0)}
+    dcp.save(good, storage_writer=writer, planner=ShardSavePlanner(), checkpoint_id=os.path.join(root, "step2"))
+    assert_state_dict_equal(load(good, os.path.join(root, "step2"))[0], good)
+    with pytest.raises(CheckpointException):
+        dcp.save({"w": torch.full((4,), float(rank))}, storage_writer=writer, planner=ShardSavePlanner(),
+                 checkpoint_id=os.path.join(root, "step3"))
+    writer.close()
+    dist.barrier()
+    return sorted(os.listdir(root))
+
+
+def test_a_save_refused_while_planned_leaves_no_step_directory(tmp_path):
+    assert run_job(replica_mismatch_job, 2, str(tmp_path)) == [["step2"]] * 2
