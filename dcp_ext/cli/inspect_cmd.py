@@ -33,7 +33,7 @@ FORMAT_NAMES = {"zarr": "Megatron zarr checkpoint", "legacy": "Megatron legacy c
 
 def describe(path: str, stats: bool = False) -> dict[str, Any]:
     location = Location(path)
-    catalog, _ = open_catalog(location, cached=False, options=MegatronOptions(allow_incomplete=True))
+    catalog, _ = open_catalog(location, cached=False, options=MegatronOptions(allow_incomplete=True), check_options=False)
     keys = []
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

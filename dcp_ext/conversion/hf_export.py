@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_ext.errors import InvalidRequestError
-from dcp_ext.formats.safetensors_format import encode_header
+from dcp_ext.formats.safetensors_format import METADATA_KEY, encode_header
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.runtime import options
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import ShardReader
 
@@ -80,13 +81,19 @@ def export_safetensors(
     (a larger tensor gets a shard of its own). ``dst`` must not exist unless
     ``overwrite=True``.
     """
-    if max_shard_bytes < 1:
-        raise InvalidRequestError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    if dtype is not None and not dtype.is_floating_point:
-        raise InvalidRequestError(f"dtype={dtype}: export casts floating-point tensors, so it must be a float dtype")
+    options.positive_int("export_safetensors", "max_shard_bytes", max_shard_bytes)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidRequestError(f"dtype={dtype!r}: export casts floating-point tensors, so it must be a float dtype (a torch.dtype)")
+    for name, pattern in (("include", include), ("exclude", exclude)):
+        try:
+            re.compile(pattern or "")
+        except (TypeError, re.error) as exc:
+            raise InvalidRequestError(f"{name}={pattern!r} is not a regular expression ({exc})") from None
     target = _target_dir(dst, overwrite)
     reader = ShardReader(src, megatron=megatron, storage_options=storage_options)
-    tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude)
+    if reader.location.within(Location(target)):  # the export replaces the target directory whole
+        raise InvalidRequestError(f"{target}: holds the source checkpoint {reader.location.url}; export into another directory")
+    tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude, reader.location.url)
     if not tensors:
         raise InvalidRequestError(f"{reader.location.url}: no tensors to export (include={include!r}, exclude={exclude!r})")
     shards = _pack(tensors, max_shard_bytes)
@@ -121,7 +128,7 @@ def _target_dir(dst: str | os.PathLike[str], overwrite: bool) -> str:
 
 
 def _select(
-    entries: dict[str, Any], dtype: torch.dtype | None, include: str | None, exclude: str | None
+    entries: dict[str, Any], dtype: torch.dtype | None, include: str | None, exclude: str | None, source: str
 ) -> tuple[list[_Tensor], ExportReport]:
     report = ExportReport()
     chosen = []
@@ -131,6 +138,9 @@ def _select(
         if not isinstance(md, TensorStorageMetadata):
             report.skipped.append(key)
             continue
+        if key == METADATA_KEY:
+            raise InvalidRequestError(f"{source}: key {key!r}: safetensors reserves this name for its header's string map; "
+                                      "exclude it (exclude='^__metadata__$') or rename it")
         source = md.properties.dtype
         chosen.append(_Tensor(key, source, dtype if dtype is not None and source.is_floating_point else source, tuple(md.size)))
     return chosen, report

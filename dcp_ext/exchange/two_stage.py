@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dcp_ext.errors import CheckpointError, InvalidRequestError
+from dcp_ext.errors import CheckpointError
 from dcp_ext.observe import PhaseClock
 from dcp_ext.storage.executors import LoadIdentity, ReadSettings, register_executor
 from dcp_ext.storage.read_plan import Request
@@ -214,23 +214,14 @@ class TwoStageExchange:
         self._raise_if_failed(errors, "reading from storage")
 
     def _check_one_load(self, identities: list[LoadIdentity]) -> None:
-        """Segments are keyed by file name only: members must load one checkpoint. The
-        default group (the whole job) must also be the one dcp.load runs on; an explicit
-        ``group`` may be any group of ranks loading together (e.g. a DP group inside it).
-        Every rank sees the same list, so all raise alike."""
-        if len({(i.location, i.fingerprint) for i in identities}) > 1:
+        """Segments are keyed by file name only: members must load one checkpoint (that the
+        default group, the whole job, is dcp.load's own the reader checks before any
+        exchange). Every rank sees the same list, so all raise alike."""
+        if len(set(identities)) > 1:
             detail = "; ".join(f"rank {rank}: {i.location} (metadata {i.fingerprint:#010x})" for rank, i in enumerate(identities))
             raise CheckpointError(
                 f"two-stage load: the exchange group's members load different checkpoints ({detail}); "
                 "pass ShardReader(group=...) the process group given to dcp.load"
-            )
-        strangers = [(rank, i.dcp_rank) for rank, i in enumerate(identities) if i.dcp_rank not in (None, rank)]
-        if strangers and self.group is None:
-            detail = ", ".join(f"rank {rank} is rank {dcp_rank} there" for rank, dcp_rank in strangers)
-            raise InvalidRequestError(
-                f"{self.location.url}: ShardReader(two_stage=True) without group= exchanges within the whole "
-                f"job, but dcp.load runs on a sub-group ({detail}); pass ShardReader(group=...) the process "
-                "group given to dcp.load"
             )
 
     def _raise_if_failed(self, errors: list[str | None], phase: str) -> None:

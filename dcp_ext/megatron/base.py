@@ -8,8 +8,9 @@ reshard it like any other checkpoint.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_ext.errors import CheckpointError
+from dcp_ext.errors import CheckpointError, InvalidRequestError
+from dcp_ext.runtime import options
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -45,6 +47,26 @@ class MegatronOptions:
     iteration: int | str | None = None
     partition_dims: Mapping[str, int | None] = field(default_factory=dict)
     allow_incomplete: bool = False
+
+    def __post_init__(self) -> None:
+        iteration = self.iteration
+        if not (iteration is None or iteration == "release" or (type(iteration) is int and iteration >= 0)):
+            raise InvalidRequestError(f"MegatronOptions(iteration=...) must be an iteration number, 'release' or None, got {iteration!r}")
+        if not isinstance(self.partition_dims, Mapping):
+            raise InvalidRequestError(f"MegatronOptions(partition_dims=...) must map regexes to dims, got {self.partition_dims!r}")
+        for pattern, dim in self.partition_dims.items():
+            if not (dim is None or (type(dim) is int and dim >= 0)):
+                raise InvalidRequestError(f"MegatronOptions(partition_dims=...): rule {pattern!r} has dim {dim!r}, expected 0, 1, ... or None")
+            try:
+                re.compile(pattern)
+            except (TypeError, re.error) as exc:
+                raise InvalidRequestError(f"MegatronOptions(partition_dims=...): {pattern!r} is not a regex ({exc})") from None
+        options.flag("MegatronOptions", "allow_incomplete", self.allow_incomplete)
+
+    def given(self) -> frozenset[str]:
+        """The options set to other than their defaults: each must apply to the checkpoint read."""
+        default = MegatronOptions()
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name))
 
     def cache_key(self) -> tuple[Any, ...]:
         return (self.iteration, tuple(sorted(self.partition_dims.items(), key=repr)), self.allow_incomplete)

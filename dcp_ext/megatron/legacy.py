@@ -24,7 +24,7 @@ import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_ext.errors import CheckpointError
+from dcp_ext.errors import CheckpointError, InvalidRequestError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.safe_load import safe_torch_load, stored_at
 from dcp_ext.formats.torch_record import TensorLayout, check_within_storage
@@ -121,7 +121,9 @@ class LegacyCheckpoint:
         self.byte_keys = [k for k in BYTES_KEYS if k in self.common]
         self.models = {path: _models(state) for path, state in loaded.items()}
         self.pieces: dict[MetadataIndex, Piece] = {}
-        tensors = {name: self._plan_tensor(name, shards) for name, shards in self._collect().items()}
+        collected = self._collect()
+        self._check_rules(list(collected))
+        tensors = {name: self._plan_tensor(name, shards) for name, shards in collected.items()}
         if not tensors:
             first_models = {key: sorted(params)[:8] for key, _, params in self.models[first]}
             raise CheckpointError(
@@ -140,6 +142,21 @@ class LegacyCheckpoint:
         layout = TensorLayout(0, nbytes, tensor.dtype, piece.sizes, tuple(tensor.stride()), offset, None)
         check_within_storage(layout, nbytes // tensor.element_size(), where)
         return StoredItem(piece.file, stored_at(tensor, where), nbytes), layout
+
+    def _check_rules(self, names: list[str]) -> None:
+        """Every partition rule given must take effect: a TP>1 checkpoint, a parameter it matches."""
+        rules = self.options.partition_dims
+        if not rules:
+            return
+        where = f"{self.url}/{self.iteration_dir}"
+        if self.sizes.tp == 1:
+            raise InvalidRequestError(f"{where}: MegatronOptions(partition_dims=...) would be ignored: the checkpoint has TP=1")
+        unmatched = [pattern for pattern in rules if not any(re.search(pattern, name) for name in names)]
+        if unmatched:
+            raise InvalidRequestError(
+                f"{where}: MegatronOptions(partition_dims=...): {unmatched} match no parameter "
+                f"(parameters are named like {sorted(names)[:3]})"
+            )
 
     def _load(self, path: str) -> dict[str, Any]:
         where = f"{self.url}/{path}"

@@ -79,6 +79,11 @@ def read_metadata_json(location: Location) -> dict[str, Any]:
     return config
 
 
+def torch_dist_options(location: Location, catalog: Catalog) -> frozenset[str]:
+    """The MegatronOptions a torch_dist checkpoint reads (none for other DCP checkpoints)."""
+    return frozenset({"allow_incomplete"}) if catalog.format == "dcp" and is_megatron_catalog(location, catalog) else frozenset()
+
+
 def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions | None) -> Catalog:
     """The catalog a load should see: checked for completeness, flattened tensors restored,
     TP-replica keys (``{key}.__tp_replica_{r}``) answered as ``key``.

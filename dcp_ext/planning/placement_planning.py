@@ -13,15 +13,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict
+from dcp_ext.runtime import options
 
 
 class _Placements:
     """``placement_fn`` and ``mesh``, given together or not at all."""
 
-    def __init__(self, placement_fn: PlacementFn | None, mesh: DeviceMesh | None) -> None:
+    def __init__(self, placement_fn: PlacementFn | None, mesh: DeviceMesh | None, owner: str) -> None:
         if (placement_fn is None) != (mesh is None):
             raise InvalidRequestError("placement_fn and mesh go together: pass both or neither")
-        self.placement_fn = placement_fn
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise InvalidRequestError(f"{owner}(mesh=...) must be a DeviceMesh, got {type(mesh).__name__}")
+        self.placement_fn = options.callback(owner, "placement_fn", placement_fn)
         self.mesh = mesh
 
     def apply(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -45,8 +48,8 @@ class PlacementSaveMixin:
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._placements = _Placements(placement_fn, mesh)
-        self.check_replicas = check_replicas
+        self._placements = _Placements(placement_fn, mesh, type(self).__name__)
+        self.check_replicas = options.flag(type(self).__name__, "check_replicas", check_replicas)
 
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
@@ -62,7 +65,7 @@ class PlacementLoadMixin:
         self, *args: Any, placement_fn: PlacementFn | None = None, mesh: DeviceMesh | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._placements = _Placements(placement_fn, mesh)
+        self._placements = _Placements(placement_fn, mesh, type(self).__name__)
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False

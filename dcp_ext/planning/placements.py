@@ -41,7 +41,7 @@ def with_checkpoint_placements(
     Shard on size-1 axes) a DTensor ``param`` is returned unchanged: no gather, and empty
     uneven shards stay valid. ``name`` appears in error messages.
     """
-    placements = _checked_placements(mesh, placements, name)
+    placements = _checked_placements(mesh, placements, param.ndim, name)
     if isinstance(param, DTensor) and not any(
         isinstance(p, Shard) and mesh.size(axis) > 1 for axis, p in enumerate(placements)
     ):
@@ -104,13 +104,16 @@ def _is_optimizer_state_dict(value: dict) -> bool:
     return isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list)
 
 
-def _checked_placements(mesh: DeviceMesh, placements: Sequence[Placement], name: str) -> list[Placement]:
+def _checked_placements(mesh: DeviceMesh, placements: Sequence[Placement], ndim: int, name: str) -> list[Placement]:
     placements = list(placements)
     if len(placements) != mesh.ndim:
         raise InvalidRequestError(f"{name}: {len(placements)} checkpoint placements for the {mesh.ndim}-D mesh {describe_mesh(mesh)}")
     bad = [p for p in placements if type(p) not in (Shard, Replicate)]
     if bad:
         raise InvalidRequestError(f"{name}: checkpoint placements must be Shard or Replicate, got {bad}")
+    outside = [p for p in placements if type(p) is Shard and not -ndim <= p.dim < ndim]
+    if outside:
+        raise InvalidRequestError(f"{name}: checkpoint placements {outside} shard a dim the {ndim}-D tensor does not have")
     if mesh.get_coordinate() is None:
         raise InvalidRequestError(f"{name}: rank {dist.get_rank()} is not part of the checkpoint mesh {describe_mesh(mesh)}")
     return placements

@@ -39,6 +39,7 @@ from dcp_ext.planning.plan_cache import (
 from dcp_ext.planning.plan_table import PlanTable, table_from_items
 from dcp_ext.planning.replica_check import chunk_digest_rows
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
+from dcp_ext.runtime import options
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
@@ -76,11 +77,17 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         group: dist.ProcessGroup | None = None,  # the digest exchange's group; None: no exchange
         **kwargs: Any,
     ) -> None:
+        options.flag("ShardSavePlanner", "replica_locality", replica_locality)
+        options.flag("ShardSavePlanner", "cache_plans", cache_plans)
+        if tp_dim is not None and not (isinstance(tp_dim, str) and tp_dim):
+            raise InvalidRequestError(f"ShardSavePlanner(tp_dim=...) must be a mesh dimension name or None, got {tp_dim!r}")
         if tp_dim is not None and not replica_locality:
             raise InvalidRequestError("ShardSavePlanner: tp_dim only applies with replica_locality=True")
         cache_plans = kwargs.pop("enable_plan_caching", False) or cache_plans
         if group is not None and not cache_plans:
             raise InvalidRequestError("ShardSavePlanner: group= only applies with cache_plans=True (it runs the digest exchange)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise InvalidRequestError(f"ShardSavePlanner(group=...) must be a torch.distributed ProcessGroup or None, got {group!r}")
         super().__init__(*args, **kwargs)
         self.replica_locality = replica_locality
         self.tp_dim = tp_dim or "tp"
@@ -247,7 +254,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
 
     def __init__(self, *args: Any, allow_unsafe_bytes: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.allow_unsafe_bytes = allow_unsafe_bytes
+        self.allow_unsafe_bytes = options.flag("ShardLoadPlanner", "allow_unsafe_bytes", allow_unsafe_bytes)
         self._local_items: list[ReadItem] = []
 
     def create_local_plan(self) -> LoadPlan:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from dcp_ext.errors import InvalidRequestError
+from dcp_ext.runtime.options import positive_int
 
 MIN_THREADS = 2  # even on one core: a read queued while another is copied
 MAX_THREADS = 16
@@ -20,9 +20,7 @@ MAX_THREADS = 16
 def io_thread_count(requested: int | None = None, owner: str = "") -> int:
     """``requested`` when given (a positive integer), else the rule above."""
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise InvalidRequestError(f"{owner}thread_count must be a positive integer, got {requested!r}")
-        return requested
+        return positive_int(owner, "thread_count", requested)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(MIN_THREADS, min(MAX_THREADS, 2 * max(1, cores // _ranks_on_node())))
 

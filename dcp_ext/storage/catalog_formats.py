@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, catalog_signature, read_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.safetensors_catalog import read_safetensors_catalog, safetensors_files, safetensors_signature
@@ -29,7 +30,9 @@ class CatalogFormat:
 
     ``options`` is what the reader was given for formats that need choices (today
     ``ShardReader(megatron=MegatronOptions(...))``); ``options_key`` makes it part of the
-    metadata cache key, so two option sets never share a parsed catalog.
+    metadata cache key, so two option sets never share a parsed catalog. ``option_names``
+    are the options the format reads: one given for a checkpoint that reads none of them
+    is refused (``with_views``), not ignored.
     """
 
     name: str
@@ -38,12 +41,14 @@ class CatalogFormat:
     signature: Callable[[Location, Any], tuple[Any, ...]]
     checksums: bool  # whether the format records checksums a verified read can check
     options_key: Callable[[Any], tuple[Any, ...]] = lambda options: ()
+    option_names: frozenset[str] = frozenset()
 
 
 View = Callable[[Location, Catalog, Any], Catalog]  # adjusts a catalog after it is read (torch_dist)
+ViewOptions = Callable[[Location, Catalog], frozenset[str]]  # the options a view reads for this catalog
 
 FORMATS: dict[str, CatalogFormat] = {}
-_VIEWS: list[View] = []
+_VIEWS: list[tuple[View, ViewOptions]] = []
 
 
 def register_format(fmt: CatalogFormat) -> None:
@@ -51,8 +56,8 @@ def register_format(fmt: CatalogFormat) -> None:
     FORMATS[fmt.name] = fmt
 
 
-def register_view(view: View) -> None:
-    _VIEWS.append(view)
+def register_view(view: View, option_names: ViewOptions) -> None:
+    _VIEWS.append((view, option_names))
 
 
 register_format(CatalogFormat(
@@ -72,8 +77,10 @@ def catalog_format(location: Location) -> CatalogFormat:
     return next((fmt for fmt in FORMATS.values() if fmt.detect(location)), FORMATS["dcp"])
 
 
-def open_catalog(location: Location, cached: bool = True, options: Any = None) -> tuple[Catalog, bool]:
-    """(catalog with every registered view applied, whether metadata was read from storage)."""
+def open_catalog(location: Location, cached: bool = True, options: Any = None, check_options: bool = True) -> tuple[Catalog, bool]:
+    """(catalog with every registered view applied, whether metadata was read from storage);
+    ``check_options=False`` takes options that do not apply as unset (``dcp-ext inspect``
+    reads any checkpoint with ``allow_incomplete``)."""
     fmt = catalog_format(location)
     read = lambda loc: fmt.read(loc, options)  # noqa: E731
     signature = lambda loc: fmt.signature(loc, options)  # noqa: E731
@@ -81,11 +88,22 @@ def open_catalog(location: Location, cached: bool = True, options: Any = None) -
         catalog, was_read = METADATA_CACHE.open(location, read, signature, (fmt.name, *fmt.options_key(options)))
     else:
         catalog, was_read = read(location), True
-    return with_views(location, catalog, options), was_read
+    return with_views(location, catalog, options, check_options), was_read
 
 
-def with_views(location: Location, catalog: Catalog, options: Any = None) -> Catalog:
-    """``catalog`` as a load should see it: every registered view applied."""
-    for view in _VIEWS:
+def with_views(location: Location, catalog: Catalog, options: Any = None, check_options: bool = True) -> Catalog:
+    """``catalog`` as a load should see it: every registered view applied, after checking
+    that every option given applies to it (``options.given()``: the ones set)."""
+    if options is not None and check_options:
+        used = FORMATS[catalog.format].option_names.union(*(names(location, catalog) for _, names in _VIEWS))
+        unused = sorted(options.given() - used)
+        if unused:
+            reads = f"reads only {', '.join(sorted(used))}" if used else "reads none"
+            kind = "Megatron torch_dist" if catalog.format == "dcp" and used else catalog.format
+            raise InvalidRequestError(
+                f"{location.url}: megatron=MegatronOptions({', '.join(f'{name}=...' for name in unused)}) would be "
+                f"ignored: this {kind} checkpoint {reads}"
+            )
+    for view, _ in _VIEWS:
         catalog = view(location, catalog, options)
     return catalog

@@ -32,11 +32,10 @@ DEFAULT_BUDGET_BYTES = 256 << 20  # two-stage: bytes of stored data in flight pe
 @dataclass(frozen=True)
 class LoadIdentity:
     """What every member of an exchange group must share: the checkpoint (its canonical
-    location and the fingerprint of its metadata) and the group ``dcp.load`` runs on."""
+    location and the fingerprint of its metadata)."""
 
     location: str
     fingerprint: int
-    dcp_rank: int | None  # this rank's rank in dcp.load's process group (None: not told)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import errno
 import os
 import posixpath
 import shutil
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
@@ -53,6 +54,11 @@ class Location(ABC):
         """Canonical identity of the directory, used to share parsed metadata."""
         return self.url
 
+    def within(self, other: Location) -> bool:
+        """Whether this directory is ``other`` or lies inside it (their canonical identities)."""
+        mine, theirs = self.cache_key().rstrip("/"), other.cache_key().rstrip("/")
+        return mine == theirs or mine.startswith(theirs + "/")
+
     def path(self, name: str, key: str = "") -> str:
         """The full path of ``name``, refused when it would leave the directory."""
         check_relative_name(self.url, name, key)
@@ -64,7 +70,7 @@ class Location(ABC):
 
     @abstractmethod
     def size(self, name: str) -> int | None:
-        """Size in bytes, or None when the file is missing."""
+        """Size in bytes, or None when the file is missing (a directory: CheckpointError)."""
 
     @abstractmethod
     def signature(self, name: str) -> tuple[Any, ...] | None:
@@ -91,26 +97,49 @@ class Location(ABC):
         """Every file below the directory, as names relative to it ('/'-separated)."""
 
     # -- reading -----------------------------------------------------------------------
-    def read_bytes(self, name: str) -> bytes:
-        """The whole file; FileNotFoundError when it is missing, CheckpointError when it
-        cannot be a checkpoint file (the root is a file, the name a directory, no access)."""
-        full = self.path(name)
+    @contextlib.contextmanager
+    def _file_errors(self, name: str) -> Iterator[None]:
+        """Opening ``name`` where it cannot be a checkpoint file (the root is a file, the name a
+        directory, no access) raises CheckpointError naming it; a missing file stays
+        FileNotFoundError, which callers turn into their own message."""
         try:
-            return self._read_all(full)
+            yield
         except NotADirectoryError:
             raise CheckpointError(f"{self.url}: is a file, not a checkpoint directory") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.url}: {name} is a directory, expected a file") from None
+        except PermissionError as exc:  # an object store answering 403 (credentials) too
+            raise CheckpointError(f"{self.url}: cannot read {name} ({exc.strerror or exc})") from None
+
+    @contextlib.contextmanager
+    def _directory_errors(self) -> Iterator[None]:
+        """Creating the checkpoint directory where a file is, or without access, raises
+        CheckpointError naming it."""
+        try:
+            yield
+        except (FileExistsError, NotADirectoryError):
+            raise CheckpointError(f"{self.url}: is a file (or under one), not a checkpoint directory") from None
         except PermissionError as exc:
-            raise CheckpointError(f"{self.url}: cannot read {name} ({exc.strerror})") from None
+            raise CheckpointError(f"{self.url}: cannot create the checkpoint directory ({exc.strerror or exc})") from None
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole file (errors: ``_file_errors``)."""
+        full = self.path(name)
+        with self._file_errors(name):
+            return self._read_all(full)
 
     @abstractmethod
     def _read_all(self, full: str) -> bytes: ...
 
-    @abstractmethod
     def open_file(self, name: str) -> IO[bytes]:
         """A seekable binary file object, for parsers that read a file's structure
         (zip directories, pickles) with seeks; data reads go through ``open_reader``."""
+        full = self.path(name)
+        with self._file_errors(name):
+            return self._open_file(full)
+
+    @abstractmethod
+    def _open_file(self, full: str) -> IO[bytes]: ...
 
     def local_file(self, name: str) -> str | None:
         """A path the OS opens directly (for memory-mapped loads), None off local disk."""
@@ -118,7 +147,9 @@ class Location(ABC):
 
     @contextlib.contextmanager
     def open_reader(self, name: str, key: str = "") -> Iterator[RangeReader]:
-        reader = self._range_reader(self.path(name, key))
+        full = self.path(name, key)
+        with self._file_errors(name):
+            reader = self._range_reader(full)
         try:
             yield reader
         finally:
@@ -148,6 +179,8 @@ class Location(ABC):
         try:
             with self._open_for_write(full, sync) as f:
                 yield f
+        except PermissionError as exc:
+            raise CheckpointError(f"{self.url}: cannot write {name} ({exc.strerror or exc})") from None
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise
@@ -212,9 +245,13 @@ class LocalLocation(Location):
 
     def size(self, name: str) -> int | None:
         try:
-            return os.stat(self.path(name)).st_size
+            st = os.stat(self.path(name))
         except OSError:
             return None
+        if stat.S_ISDIR(st.st_mode):
+            with self._file_errors(name):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", name)
+        return st.st_size
 
     def signature(self, name: str) -> tuple[Any, ...] | None:
         """Size, mtime, inode and ctime: every write or rename sets ctime to now, and unlike
@@ -244,8 +281,8 @@ class LocalLocation(Location):
         with open(full, "rb") as f:
             return f.read()
 
-    def open_file(self, name: str) -> IO[bytes]:
-        return open(self.path(name), "rb")  # noqa: SIM115
+    def _open_file(self, full: str) -> IO[bytes]:
+        return open(full, "rb")  # noqa: SIM115
 
     def local_file(self, name: str) -> str | None:
         return self.path(name)
@@ -254,13 +291,16 @@ class LocalLocation(Location):
         return LocalRangeReader(full)
 
     def makedirs(self) -> bool:
-        try:
-            os.makedirs(self.root)
-            return True
-        except FileExistsError:
-            if not os.path.isdir(self.root):
-                raise
-            return False
+        with self._directory_errors():
+            if os.path.isdir(self.root):
+                return False
+            try:
+                os.makedirs(self.root)
+                return True
+            except FileExistsError:
+                if not os.path.isdir(self.root):
+                    raise
+                return False  # made by another rank in between
 
     def remove_dir_if_empty(self) -> None:
         with contextlib.suppress(OSError):
@@ -311,7 +351,9 @@ class FsspecLocation(Location):
         self.url = fs.unstrip_protocol(self.root)
 
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self.path(name)))
+        full = self.path(name)
+        with self._file_errors(name):
+            return bool(self.fs.exists(full))
 
     def size(self, name: str) -> int | None:
         try:
@@ -352,15 +394,18 @@ class FsspecLocation(Location):
     def _read_all(self, full: str) -> bytes:
         return bytes(self.fs.cat_file(full))
 
-    def open_file(self, name: str) -> IO[bytes]:
-        return self.fs.open(self.path(name), "rb")  # type: ignore[no-any-return]
+    def _open_file(self, full: str) -> IO[bytes]:
+        return self.fs.open(full, "rb")  # type: ignore[no-any-return]
 
     def _range_reader(self, full: str) -> RangeReader:
         return FsspecRangeReader(self.fs, full)
 
     def makedirs(self) -> bool:
-        existed = self.fs.isdir(self.root)
-        self.fs.makedirs(self.root, exist_ok=True)
+        with self._directory_errors():
+            existed = self.fs.isdir(self.root)
+            if not existed and self.fs.isfile(self.root):  # some stores would make the directory beside it
+                raise FileExistsError(self.root)
+            self.fs.makedirs(self.root, exist_ok=True)
         return not existed
 
     def remove_dir_if_empty(self) -> None:
@@ -402,6 +447,9 @@ class LocalRangeReader(RangeReader):
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
+        if stat.S_ISDIR(os.fstat(self.fd).st_mode):  # opens, but every read fails: refuse it here
+            os.close(self.fd)
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         total = 0

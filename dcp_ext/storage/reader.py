@@ -25,6 +25,7 @@ from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
+from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
@@ -94,7 +95,8 @@ class ShardReader(StorageReader):
         group: the process group of ``two_stage`` and ``share_metadata`` (default: the whole
             job; pass the data-parallel group to mirror Megatron, or the group given to
             ``dcp.load`` when it runs on a sub-group). Given with neither, an error.
-        exchange_budget_bytes: bytes of stored data in flight per two-stage batch.
+        exchange_budget_bytes: bytes of stored data in flight per two-stage batch (default
+            256 MiB); given without ``two_stage=True``, an error.
         allow_unsafe_bytes: skip the check of non-tensor (bytes) items. By default every
             one is decoded by the restricted loader before any planner sees it (DCP's
             ``DefaultLoadPlanner`` would unpickle it with ``weights_only=False``) and a
@@ -117,35 +119,42 @@ class ShardReader(StorageReader):
         two_stage: bool = False,
         share_metadata: bool = False,
         group: dist.ProcessGroup | None = None,
-        exchange_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        exchange_budget_bytes: int | None = None,
         on_report: ReportCallback | None = None,
         allow_unsafe_bytes: bool = False,
     ):
         super().__init__()
         self.storage_options = storage_options
+        if megatron is not None and not callable(getattr(megatron, "given", None)):
+            raise InvalidRequestError(f"ShardReader(megatron=...) must be a MegatronOptions or None, got {megatron!r}")
         self.megatron = megatron  # options of the Megatron formats (None: their defaults)
         self.location = Location(path, storage_options)
-        self.thread_count = io_thread_count(thread_count, "ShardReader: ")
-        self.verify_checksums = verify_checksums
-        self.cache_metadata = cache_metadata
-        self.require_commit_marker = require_commit_marker
-        self.two_stage = two_stage
-        self.share_metadata = share_metadata
+        self.thread_count = io_thread_count(thread_count, "ShardReader")
+        self.verify_checksums = options.flag("ShardReader", "verify_checksums", verify_checksums)
+        self.cache_metadata = options.flag("ShardReader", "cache_metadata", cache_metadata)
+        self.require_commit_marker = options.flag("ShardReader", "require_commit_marker", require_commit_marker, optional=True)
+        self.two_stage = options.flag("ShardReader", "two_stage", two_stage)
+        self.share_metadata = options.flag("ShardReader", "share_metadata", share_metadata)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise InvalidRequestError(f"ShardReader(group=...) must be a torch.distributed ProcessGroup or None, got {group!r}")
         if group is not None and not (two_stage or share_metadata):
             raise InvalidRequestError(
                 "ShardReader(group=...) is the group of two_stage=True or share_metadata=True; with neither it "
                 "would be ignored"
             )
         self.group = group
-        self.exchange_budget_bytes = exchange_budget_bytes
-        self.allow_unsafe_bytes = allow_unsafe_bytes
+        if exchange_budget_bytes is not None and not two_stage:
+            raise InvalidRequestError("ShardReader(exchange_budget_bytes=...) is the budget of two_stage=True; without it, it would be ignored")
+        self.exchange_budget_bytes = options.positive_int(
+            "ShardReader", "exchange_budget_bytes", DEFAULT_BUDGET_BYTES if exchange_budget_bytes is None else exchange_budget_bytes
+        )
+        self.allow_unsafe_bytes = options.flag("ShardReader", "allow_unsafe_bytes", allow_unsafe_bytes)
         self.stats = ReadStats()
         self.clock = PhaseClock(LOAD_PHASES)
-        self.on_report = on_report
+        self.on_report = options.callback("ShardReader", "on_report", on_report)
         self.last_report: LoadReport | None = None
         self.catalog: Catalog | None = None
         self.rank = 0
-        self.dcp_rank: int | None = None
         self.is_coordinator = False
         self.load_id = uuid.uuid4().hex  # as stock readers: one per load, in read_metadata's storage_meta
 
@@ -193,7 +202,8 @@ class ShardReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
-        self.dcp_rank = kwargs.get("rank")  # in dcp.load's process group: checked against two_stage's
+        if self._exchanges_in_job() and "rank" in kwargs and kwargs["rank"] != dist.get_rank():
+            raise self._subgroup_error()  # in DCP's local step: raised on every rank of its group
         if self.catalog is None:
             self.read_metadata()
 
@@ -201,6 +211,8 @@ class ShardReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self._exchanges_in_job() and len(plans) != dist.get_world_size():
+            raise self._subgroup_error()  # a sub-group of ranks 0..k-1: their DCP ranks are their own
         return plans
 
     @gc_paused()  # a plan of thousands of items builds tens of thousands of objects, no garbage
@@ -211,7 +223,7 @@ class ShardReader(StorageReader):
         catalog = self._require_catalog()
         settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes)
         executor = EXECUTORS["two_stage" if self.two_stage else "local"](settings)
-        identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint, self.dcp_rank)
+        identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint)
         commits: list[Callable[[], None]] = []
         try:
             stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
@@ -229,6 +241,19 @@ class ShardReader(StorageReader):
         for commit_item in commits:
             commit_item()
         return self._finish_read(plan, bytes_read, files, started)
+
+    def _exchanges_in_job(self) -> bool:
+        """Whether this load exchanges within the whole job (two_stage=True without group=)."""
+        return self.two_stage and self.group is None and dist.is_initialized()
+
+    def _subgroup_error(self) -> InvalidRequestError:
+        """DCP does not tell a reader its process group; a sub-group shows in the ranks it
+        reports (and in the number of plans): refused before the first exchange, which would
+        wait for ranks that never join."""
+        return InvalidRequestError(
+            f"{self.location.url}: ShardReader(two_stage=True) without group= exchanges within the whole job, "
+            "but dcp.load runs on a sub-group; pass ShardReader(group=...) the process group given to dcp.load"
+        )
 
     def _bytes_checked(self, planner: LoadPlanner) -> LoadPlanner:
         """The planner every read path calls: bytes items pass the restricted loader first,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import crc32c
@@ -100,27 +100,41 @@ def verify_checkpoint(
     done = 0
     for name, entries in sorted(by_file.items()):
         entries.sort(key=lambda entry: entry[1].offset)
-        size = location.size(name)
-        if size is None:
-            report.faults.append(f"{name}: missing (holds {', '.join(sorted({i.fqn for i, _ in entries}))})")
-            continue
-        with location.open_reader(name) as reader:
-            for index, item in entries:
-                done += item.length
-                if item.offset + item.length > size:
-                    report.faults.append(
-                        f"{name}: key {index.fqn!r} needs bytes up to {item.offset + item.length}, file has {size}"
-                    )
-                    continue
+        holds = ", ".join(sorted({i.fqn for i, _ in entries}))
+        file_end = done + sum(item.length for _, item in entries)
+        try:
+            size = location.size(name)
+            if size is None:
+                report.faults.append(f"{name}: missing (holds {holds})")
+                continue
+            for nbytes in _check_file(catalog, location, report, name, entries, size):
+                done += nbytes
+                if progress:
+                    progress(done, total)
+        except CheckpointError as exc:  # a file that cannot be read (a directory, no access)
+            report.faults.append(f"{exc} (holds {holds})")
+        finally:
+            done = file_end
+    return report
+
+
+def _check_file(
+    catalog: Catalog, location: Location, report: VerifyReport, name: str, entries: list[tuple[MetadataIndex, StoredItem]], size: int
+) -> Iterator[int]:
+    """Check the items of data file ``name`` (``size`` bytes) into ``report``; yields each
+    item's bytes once it is checked (progress)."""
+    with location.open_reader(name) as reader:
+        for index, item in entries:
+            if item.offset + item.length > size:
+                report.faults.append(f"{name}: key {index.fqn!r} needs bytes up to {item.offset + item.length}, file has {size}")
+            else:
                 fault, recorded = _check_item(catalog, location, reader, index, item)
                 if fault:
                     report.faults.append(f"{name}: key {index.fqn!r}: {fault}")
                 report.items_checked += 1
                 report.items_without_checksum += not recorded
                 report.bytes_checked += item.length
-                if progress:
-                    progress(done, total)
-    return report
+            yield item.length
 
 
 def _check_item(  # noqa: ANN001

@@ -20,6 +20,7 @@ from torch.futures import Future
 from dcp_ext.errors import CheckpointError, CheckpointExistsError, InvalidRequestError
 from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.runtime.gc_pause import gc_paused
+from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
@@ -124,15 +125,15 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         super().__init__(reuse_staging=reuse_staging)
         self.transform = stream_transform(compression)
         self.storage_options = storage_options
-        self.on_report = on_report
+        self.on_report = options.callback("ShardWriter", "on_report", on_report)
         self.last_report: SaveReport | None = None
         self.clock = PhaseClock(SAVE_PHASES)
         self.written: list[WriteResult] = []  # this rank's results of the running save
         self.location = Location(path, storage_options)
-        self.thread_count = io_thread_count(thread_count, "ShardWriter: ")
-        self.sync_files = sync_files
-        self.checksums = checksums
-        self.overwrite = overwrite
+        self.thread_count = io_thread_count(thread_count, "ShardWriter")
+        self.sync_files = options.flag("ShardWriter", "sync_files", sync_files)
+        self.checksums = options.flag("ShardWriter", "checksums", checksums)
+        self.overwrite = options.flag("ShardWriter", "overwrite", overwrite)
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = False
@@ -239,6 +240,14 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
     def _write_files(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Write this rank's items into up to ``thread_count`` files in parallel."""
         prefix: FilePrefix = plan.storage_data
+        for item in plan.items:  # the index stores keys as UTF-8: refused before a byte is written
+            try:
+                item.index.fqn.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    f"{self.location.url}: key {item.index.fqn!r} is not valid Unicode text (a lone surrogate, as "
+                    "os.fsdecode makes of bytes that are not UTF-8); the checkpoint index stores keys as UTF-8: rename it"
+                ) from None
         crash_point("before-data")
         self.location.makedirs()  # the coordinator made it; a rank on its own disk needs it too
         buckets = split_by_bytes(plan.items, self.thread_count)

@@ -96,13 +96,17 @@ def test_demo_job_round_trips_bit_exact(tmp_path):
 
 def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     """name -> (argv, what the one error line must say), on real paths made here."""
-    ckpt, afile, meta_dir = tmp_path / "ckpt", tmp_path / "afile", tmp_path / "meta_dir"
+    ckpt, afile, meta_dir, ours_meta_dir = tmp_path / "ckpt", tmp_path / "afile", tmp_path / "meta_dir", tmp_path / "ours"
     save(sample_state(), ckpt)
     afile.write_text("not a checkpoint")
     (meta_dir / ".metadata").mkdir(parents=True)
+    save(sample_state(), ours_meta_dir)  # with our index and commit marker, which are read first
+    (ours_meta_dir / ".metadata").unlink()
+    (ours_meta_dir / ".metadata").mkdir()
     return {
         "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
         "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
+        "inspect our .metadata directory": (["inspect", str(ours_meta_dir)], ".metadata is a directory, expected a file"),
         "inspect missing": (["inspect", str(tmp_path / "nope")], ".metadata is missing"),
         "convert onto a file": (["convert", str(ckpt), str(afile)], f"{afile}: is a file"),
         "convert onto itself": (["convert", str(ckpt), str(ckpt)], "is the source checkpoint"),
@@ -111,12 +115,19 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
             ["convert", str(ckpt), str(tmp_path / "o2"), "--iteration", "ten"], "--iteration 'ten' is neither"),
         "convert --partition-dim": (
             ["convert", str(ckpt), str(tmp_path / "o3"), "--partition-dim", "x=abc"], "is not REGEX=DIM"),
+        "convert --iteration of a DCP checkpoint": (
+            ["convert", str(ckpt), str(tmp_path / "o4"), "--iteration", "5"], "MegatronOptions(iteration=...) would be ignored"),
+        "convert --partition-dim not a regex": (
+            ["convert", str(ckpt), str(tmp_path / "o5"), "--partition-dim", "(=0"], "'(' is not a regex"),
+        "convert --to hf --include not a regex": (
+            ["convert", str(ckpt), str(tmp_path / "o6"), "--to", "hf", "--include", "("], "include='(' is not a regular expression"),
     }
 
 
 @pytest.mark.parametrize("mistake", [
-    "inspect a file", "inspect .metadata directory", "inspect missing", "convert onto a file",
-    "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
+    "inspect a file", "inspect .metadata directory", "inspect our .metadata directory", "inspect missing",
+    "convert onto a file", "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
+    "convert --iteration of a DCP checkpoint", "convert --partition-dim not a regex", "convert --to hf --include not a regex",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main
@@ -131,11 +142,25 @@ def test_verify_of_a_file_or_a_metadata_directory_fails_in_one_fault(tmp_path, c
     from dcp_ext.cli.main import main
 
     mistakes = user_mistakes(tmp_path)
-    for name in ("inspect a file", "inspect .metadata directory"):
+    for name in ("inspect a file", "inspect .metadata directory", "inspect our .metadata directory"):
         argv, message = mistakes[name]
         assert main(["verify", argv[1]]) == 1
         out = capsys.readouterr().out.splitlines()
         assert out[0].startswith("FAULT") and message in out[0] and out[1].startswith("FAILED"), out
+
+
+def test_verify_names_a_data_file_that_is_a_directory_as_a_fault(tmp_path, capsys):
+    """Before, verify stopped with a raw 'error: [Errno 21] Is a directory' and exit 2."""
+    from dcp_ext.cli.main import main
+
+    save({"a": torch.arange(4.0)}, tmp_path / "one", thread_count=1)
+    data_file = next((tmp_path / "one").glob("*.distcp"))
+    data_file.unlink()
+    data_file.mkdir()
+    assert main(["verify", str(tmp_path / "one")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"FAULT {tmp_path / 'one'}: {data_file.name} is a directory, expected a file (holds a)", out
+    assert out[1].startswith("FAILED"), out
 
 
 def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsys):

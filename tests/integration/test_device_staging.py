@@ -41,7 +41,7 @@ def _run(tmp_path: Path, requests: list[Request], buffers: int = 2, buffer_bytes
         staging_buffer_bytes=buffer_bytes,
     )
     executor = ScatterReads(settings)
-    executor.run(requests, LoadIdentity(str(tmp_path), 0, None))
+    executor.run(requests, LoadIdentity(str(tmp_path), 0))
     return executor
 
 
@@ -146,7 +146,7 @@ def test_a_failing_read_releases_the_buffers_and_names_the_file(tmp_path):
     settings = ReadSettings(Location(tmp_path), 2, lambda p, k: CheckpointError("missing"), staging_buffers=2, staging_buffer_bytes=4096)
     executor = ScatterReads(settings)
     with pytest.raises(CheckpointError, match="f.distcp.*unexpected end of file"):
-        executor.run(requests, LoadIdentity(str(tmp_path), 0, None))
+        executor.run(requests, LoadIdentity(str(tmp_path), 0))
     _assert_pool_bounded(executor, 2)
 
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from dcp_ext import InvalidRequestError, export_safetensors
+from dcp_ext import InvalidRequestError, ShardLoadPlanner, ShardReader, export_safetensors
 from dcp_ext.cli.main import main as cli
 
 from megatron_fixtures import write_legacy, write_torch_dist, write_zarr
@@ -114,6 +114,32 @@ def test_destination_rules_and_failed_exports_leave_nothing(tmp_path):
     with pytest.raises(BaseException, match="missing"):
         export_safetensors(tmp_path / "ckpt", tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "taken"]
+
+
+def test_an_export_never_replaces_its_source(tmp_path):
+    """Before, ``overwrite=True`` into the source (or a directory holding it) replaced it
+    with the export: the checkpoint was gone."""
+    state = mixed_state()
+    save(state, tmp_path / "runs" / "ckpt")
+    for target in (tmp_path / "runs" / "ckpt", tmp_path / "runs"):
+        with pytest.raises(InvalidRequestError, match="holds the source checkpoint"):
+            export_safetensors(tmp_path / "runs" / "ckpt", target, overwrite=True)
+    assert cli(["convert", str(tmp_path / "runs" / "ckpt"), str(tmp_path / "runs"), "--to", "hf", "--overwrite"]) == 2
+    want = tensors_of(state)
+    got = {k: garbage_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=ShardReader(tmp_path / "runs" / "ckpt"), planner=ShardLoadPlanner(), no_dist=True)
+    assert_tensors_equal(got, want)
+
+
+def test_a_key_safetensors_reserves_is_refused_before_writing(tmp_path):
+    """``__metadata__`` is the header's string map: a tensor under it made a file that
+    safetensors itself cannot open."""
+    save({"__metadata__": torch.ones(2), "w": torch.zeros(3)}, tmp_path / "ckpt")
+    with pytest.raises(InvalidRequestError, match="'__metadata__': safetensors reserves this name"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    export_safetensors(tmp_path / "ckpt", tmp_path / "out", exclude="^__metadata__$")
+    assert_tensors_equal(read_with_safetensors(tmp_path / "out"), {"w": torch.zeros(3)})
 
 
 def test_cli_convert_to_hf_exports_tensors_and_names_skipped_items(tmp_path, capsys):

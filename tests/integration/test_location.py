@@ -13,6 +13,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import CheckpointError, InvalidRequestError
@@ -84,3 +85,20 @@ def test_remote_partial_load_fetches_only_needed_bytes(tmp_path) -> None:
     needed = sum(v.numel() * v.element_size() for v in wanted.values())
     data_fetched = sum(n for path, n in MeteredFileSystem.fetched.items() if path.endswith(".distcp"))
     assert needed <= data_fetched <= needed * 1.05, (needed, MeteredFileSystem.fetched)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_save_onto_a_file_says_so(tmp_path, where) -> None:
+    """Loads said '<path>: is a file'; saves raised a bare FileExistsError (memory://: once
+    the first data file was opened under it)."""
+    if where == "local":
+        path = str(tmp_path / "f")
+        (tmp_path / "f").write_text("not a checkpoint")
+    else:
+        path = f"memory://{uuid.uuid4().hex}/f"
+        Location(path).fs.pipe(path, b"not a checkpoint")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(2)}, storage_writer=ShardWriter(path), planner=ShardSavePlanner(), no_dist=True)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, CheckpointError) and str(error).endswith("is a file (or under one), not a checkpoint directory"), error
+    assert Location(path).url in str(error)

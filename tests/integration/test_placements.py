@@ -223,6 +223,11 @@ def mesh_error_job(rank: int, world: int, path: str) -> dict:
     with pytest.raises(ValueError) as conflict:
         with_checkpoint_placements(on_ep, mesh, placements, name=EVEN)
     errors["conflict"] = str(conflict.value)
+    # A tensor dim the tensor does not have (was a bare IndexError naming nothing).
+    for tensor in (block, block[0, 0]):
+        with pytest.raises(ValueError) as no_dim:
+            with_checkpoint_placements(tensor, mesh, [Replicate(), Shard(tensor.ndim)], name=EVEN)
+        errors[f"dim {tensor.ndim}"] = str(no_dim.value)
     return errors
 
 
@@ -235,6 +240,8 @@ def test_fsdp_mesh_matching_no_checkpoint_axis_raises(tmp_path):
         assert "no axis of the checkpoint mesh DeviceMesh(edp:2, ep:2" in errors["unmatched"], errors["unmatched"]
         assert f"{EVEN}: the parameter is sharded over ranks [0, 1, 2, 3]" in errors["planner"], errors["planner"]
         assert "also shard" in errors["conflict"] and "axis ep" in errors["conflict"], errors["conflict"]
+        assert errors["dim 2"] == f"{EVEN}: checkpoint placements [Shard(dim=2)] shard a dim the 2-D tensor does not have"
+        assert errors["dim 0"] == f"{EVEN}: checkpoint placements [Shard(dim=0)] shard a dim the 0-D tensor does not have"
     assert "edp=[1, 3], ep=[2, 3]" in results[3]["unmatched"], results[3]["unmatched"]
 
 

@@ -113,14 +113,16 @@ def test_one_rank_failing_makes_every_rank_raise_the_same_error(tmp_path):
     assert len({m.split(": two-stage", 1)[1] for m in messages}) == 1  # same failure everywhere
 
 
-def _groups_load_their_own_checkpoints(rank: int, world: int, paths: list[str], pass_group: bool) -> str:
-    """Ranks {0,1} load checkpoint A and {2,3} checkpoint B, each dcp.load on its own group."""
+def _groups_load_their_own_checkpoints(rank: int, world: int, paths: list[str], exchange: str) -> str:
+    """Ranks {0,1} load checkpoint A and {2,3} checkpoint B, each dcp.load on its own group;
+    the exchange runs in the load's group (``own``), the default one or the whole job given
+    explicitly (``world``)."""
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
     full = {k: v + rank // 2 for k, v in full_tensors().items()}
     state = {k: garbage_like(v) for k, v in full.items()}
-    reader = ShardReader(paths[rank // 2], two_stage=True, group=group if pass_group else None)
-    if not pass_group:
+    reader = ShardReader(paths[rank // 2], two_stage=True, group={"own": group, "default": None, "world": dist.group.WORLD}[exchange])
+    if exchange != "own":
         return _two_stage_error(state, reader, group)
     dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), process_group=group)
     for name, value in state.items():
@@ -130,14 +132,18 @@ def _groups_load_their_own_checkpoints(rank: int, world: int, paths: list[str], 
 
 def test_groups_loading_different_checkpoints_never_mix(tmp_path):
     """Stock-written A and B share file names; an exchange across both groups would mix
-    them. Without group= every rank raises the same error; with it each loads its own."""
+    them. With the whole job as the exchange group every rank raises the same error;
+    without group= every rank is refused before any exchange (dcp.load runs on a
+    sub-group); with its own group each loads its own."""
     paths = [str(tmp_path / "A"), str(tmp_path / "B")]
     for n, path in enumerate(paths):
         dcp.save({k: v + n for k, v in full_tensors().items()}, storage_writer=dcp.FileSystemWriter(path))
-    messages = run_job(_groups_load_their_own_checkpoints, 4, paths, False, timeout=120)
+    messages = run_job(_groups_load_their_own_checkpoints, 4, paths, "world", timeout=120)
     assert len(set(messages)) == 1 and "load different checkpoints" in messages[0], messages
     assert all(p in messages[0] for p in paths)
-    assert run_job(_groups_load_their_own_checkpoints, 4, paths, True, timeout=120) == ["loaded"] * 4
+    messages = run_job(_groups_load_their_own_checkpoints, 4, paths, "default", timeout=120)
+    assert all("dcp.load runs on a sub-group" in m for m in messages), messages
+    assert run_job(_groups_load_their_own_checkpoints, 4, paths, "own", timeout=120) == ["loaded"] * 4
 
 
 def _subgroup_load_of_one_checkpoint(rank: int, world: int, path: str) -> str:
@@ -152,6 +158,25 @@ def test_default_exchange_group_must_be_the_load_group(tmp_path):
     _save_plain(str(tmp_path))
     messages = run_job(_subgroup_load_of_one_checkpoint, 4, str(tmp_path), timeout=120)
     assert len(set(messages)) == 1 and "dcp.load runs on a sub-group" in messages[0], messages
+
+
+def _part_of_the_job_loads(rank: int, world: int, path: str, members: list[int]) -> str:
+    """Only ``members`` load, on their own group; the other rank does something else."""
+    group = dist.new_group(members)
+    if rank not in members:
+        return "idle"
+    state = {k: garbage_like(v) for k, v in full_tensors().items()}
+    return _two_stage_error(state, ShardReader(path, two_stage=True), group)
+
+
+@pytest.mark.parametrize("members", [[1, 2], [0, 1]], ids=["ranks-renumbered", "ranks-0-and-1"])
+def test_a_sub_group_load_without_group_is_refused_not_left_waiting(tmp_path, members):
+    """Before, the loading ranks waited in the whole job's first exchange for a rank that
+    never joins. Ranks 1, 2 are ranks 0, 1 of their group (each rank sees it); ranks 0, 1
+    keep their numbers, and DCP's coordinator sees two plans in a job of three."""
+    _save_plain(str(tmp_path))
+    messages = run_job(_part_of_the_job_loads, 3, str(tmp_path), members, timeout=120)
+    assert all(("dcp.load runs on a sub-group" in m) == (rank in members) for rank, m in enumerate(messages)), messages
 
 
 def _load_everything(rank: int, world: int, path: str, variant: str) -> int:

@@ -178,7 +178,7 @@ def _column_values(column: str) -> st.SearchStrategy:
 
 
 def _header_values(header: dict, key: str) -> st.SearchStrategy:
-    if key == "tensors" and header["tensors"]:
+    if key == "tensors" and isinstance(header["tensors"], dict) and header["tensors"]:  # an earlier draw may have replaced it
         fqn = next(iter(header["tensors"]))
         spec = st.tuples(st.sampled_from(["float32", "int8", "load", 3]), st.lists(st.integers(-2, 2**62), max_size=3),
                          st.booleans(), st.booleans()).map(list)

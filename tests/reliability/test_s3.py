@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -232,3 +234,48 @@ def test_server_killed_mid_save_leaves_no_loadable_half_checkpoint(s3, url, exis
     got = load(old, url, storage_options=s3.options, cache_metadata=False)[0]
     is_old = existing and torch.equal(got["layer0"], old["layer0"])  # killed before .metadata
     assert_state_dict_equal(got, old if is_old else _big_state(2))  # else killed in cleanup: new, committed
+
+
+WRONG_CREDENTIALS = '''
+import json, logging, warnings
+warnings.filterwarnings("ignore")
+import boto3, s3fs, torch, torch.distributed.checkpoint as dcp
+from moto import server as moto_server
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+iam.create_user(UserName="u")
+policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+iam.put_user_policy(UserName="u", PolicyName="all", PolicyDocument=json.dumps(policy))
+key = iam.create_access_key(UserName="u")["AccessKey"]
+def options(key_id, secret):
+    return {"key": key_id, "secret": secret, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-west-2"},
+            "config_kwargs": {"retries": {"max_attempts": 1}}, "skip_instance_cache": True}
+good, bad = options(key["AccessKeyId"], key["SecretAccessKey"]), options("AKIAWRONGWRONGWRONG", "wrong")
+s3fs.S3FileSystem(**good).mkdir("bkt")
+dcp.save({"w": torch.ones(4)}, storage_writer=ShardWriter("s3://bkt/ckpt", storage_options=good), planner=ShardSavePlanner(), no_dist=True)
+for run in (
+    lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ShardReader("s3://bkt/ckpt", storage_options=bad), planner=ShardLoadPlanner(), no_dist=True),
+    lambda: dcp.save({"w": torch.zeros(4)}, storage_writer=ShardWriter("s3://bkt/new", storage_options=bad), planner=ShardSavePlanner(), no_dist=True),
+):
+    try:
+        run()
+        print("succeeded")
+    except BaseException as exc:
+        print(next(iter(exc.failures.values()))[0] if hasattr(exc, "failures") else exc)
+server.stop()
+'''
+
+
+def test_wrong_credentials_are_named_with_the_checkpoint_and_file():
+    """A server that checks credentials (its own process: moto reads the switch at start).
+    Before, a load raised a bare PermissionError('Forbidden') naming nothing."""
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}  # the set-up's own IAM calls go through
+    result = subprocess.run([sys.executable, "-c", WRONG_CREDENTIALS], env=env, capture_output=True, text=True, timeout=120)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2, result.stdout + result.stderr[-3000:]
+    assert "s3://bkt/ckpt: cannot read .metadata (Forbidden)" in lines[0], lines
+    assert lines[1].startswith("s3://bkt/new: cannot create the checkpoint directory (The AWS Access Key Id"), lines

@@ -26,7 +26,7 @@ def test_reader_and_writer_use_the_rule_and_refuse_bad_counts(tmp_path) -> None:
     assert ShardReader(tmp_path).thread_count == ShardWriter(tmp_path).thread_count == io_thread_count()
     assert ShardReader(tmp_path, thread_count=3).thread_count == 3
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(InvalidRequestError, match="ShardReader: thread_count must be a positive integer"):
+        with pytest.raises(InvalidRequestError, match=r"ShardReader\(thread_count=...\) must be a positive integer"):
             ShardReader(tmp_path, thread_count=bad)
-        with pytest.raises(InvalidRequestError, match="ShardWriter: thread_count must be a positive integer"):
+        with pytest.raises(InvalidRequestError, match=r"ShardWriter\(thread_count=...\) must be a positive integer"):
             ShardWriter(tmp_path, thread_count=bad)
