@@ -128,7 +128,7 @@ def _target_dir(dst: str | os.PathLike[str], overwrite: bool) -> str:
 
 
 def _select(
-    entries: dict[str, Any], dtype: torch.dtype | None, include: str | None, exclude: str | None, source: str
+    entries: dict[str, Any], dtype: torch.dtype | None, include: str | None, exclude: str | None, url: str
 ) -> tuple[list[_Tensor], ExportReport]:
     report = ExportReport()
     chosen = []
@@ -139,7 +139,7 @@ def _select(
             report.skipped.append(key)
             continue
         if key == METADATA_KEY:
-            raise InvalidRequestError(f"{source}: key {key!r}: safetensors reserves this name for its header's string map; "
+            raise InvalidRequestError(f"{url}: key {key!r}: safetensors reserves this name for its header's string map; "
                                       "exclude it (exclude='^__metadata__$') or rename it")
         source = md.properties.dtype
         chosen.append(_Tensor(key, source, dtype if dtype is not None and source.is_floating_point else source, tuple(md.size)))
