@@ -186,6 +186,13 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.clock.charge_rest("plan")
+        if getattr(planner, "_enable_plan_caching", False) is True:  # before anything is written or removed
+            raise InvalidRequestError(
+                f"{self.location.url}: DefaultSavePlanner(enable_plan_caching=True) hands later saves the first "
+                "save's finished plans, with the data-file names ShardWriter gives that save alone: a later save "
+                "would overwrite the live checkpoint's files in place. Use ShardSavePlanner (cache_plans=True "
+                "keeps fresh names) or enable_plan_caching=False"
+            )
         prefix: FilePrefix = plan.storage_data
         try:
             with self.clock.phase("write"):

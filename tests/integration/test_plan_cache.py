@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -82,3 +84,32 @@ def test_table_digest_covers_layout_not_values():
     digests = {table_from_items(v).digest for v in variants} | {table_from_items(a).digest}
     assert len(digests) == len(variants) + 1
     assert table_from_items(SavePlan(a).items, {"w": ("model", "w")}).digest != table_from_items(a).digest
+
+
+class _DcpCachingPlanner(DefaultSavePlanner):
+    """DCP's own plan caching, under a class name of its own (DCP keys its class-level cache by it)."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+def test_dcp_plan_caching_is_refused_before_it_can_overwrite_the_live_checkpoint(tmp_path):
+    """DCP hands a cached save the first save's finished plans, with that save's data-file
+    names: the second save overwrote, in place, the files the committed checkpoint points
+    to (a crash then lost both). Refused at the first save, nothing written or removed."""
+    live = {"w": torch.arange(6.0)}
+    dcp.save(live, storage_writer=ShardWriter(tmp_path), planner=ShardSavePlanner(), no_dist=True)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.zeros(6)}, storage_writer=ShardWriter(tmp_path), planner=_DcpCachingPlanner(), no_dist=True)
+    finally:
+        for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                      SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+            cache.pop(_DcpCachingPlanner.__name__, None)
+    error = next(iter(info.value.failures.values()))[0]
+    assert "DefaultSavePlanner(enable_plan_caching=True)" in str(error) and str(tmp_path) in str(error), error
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+    out = {"w": garbage_like(live["w"])}
+    dcp.load(out, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    assert_state_dict_equal(out, live)
