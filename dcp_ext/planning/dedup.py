@@ -41,6 +41,8 @@ def chunk_view(obj: Any, item: WriteItem, memo: ChunkMemo) -> torch.Tensor:
     for local in local_chunks(obj, memo):
         if _contains(local, want):
             data = find_tensor_shard(obj, MetadataIndex(item.index.fqn, local.offsets))
+            if 0 in want.sizes:  # an empty chunk: DTensor may describe it as (1, 0) over a (0, 0) local tensor
+                return data.new_empty(tuple(want.sizes))
             for dim, (w, n, lo) in enumerate(zip(want.offsets, want.sizes, local.offsets)):
                 data = data.narrow(dim, w - lo, n)
             return data

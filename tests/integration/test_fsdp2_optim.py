@@ -141,3 +141,33 @@ def test_fsdp2_adamw_reshard(tmp_path, save_world, load_world):
     # The optimizer actually moved: exp_avg is not all zero.
     assert any(bool(st["exp_avg"].abs().sum() > 0) for st in expected["optim_state"].values())
     run_job(load_job, load_world, path, expected)
+
+
+def empty_shard_job(rank: int, world: int, path: str) -> None:
+    """``Linear(1, 1)``, row-parallel over tp=2 and fully_shard over dp=2: the weight is
+    (Shard(0), Shard(1)) and the tp rank with no column holds a (0, 0) local tensor that
+    DTensor describes as a chunk of sizes (1, 0). Resolving that chunk narrowed the
+    (0, 0) tensor by one row: every rank failed with a RuntimeError naming nothing."""
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 1))
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    dcp.save(model.state_dict(), storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+    dist.barrier()
+    if rank == 0:
+        got = {k: torch.full_like(v, 777.0) for k, v in want.items()}
+        dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner(), no_dist=True)
+        assert_state_dict_equal(got, want)
+        stock = {k: torch.full_like(v, 777.0) for k, v in want.items()}
+        dcp.load(stock, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        assert_state_dict_equal(stock, want)
+    dist.barrier()
+
+
+@pytest.mark.mp
+def test_a_tp_shard_with_no_columns_saves(tmp_path):
+    run_job(empty_shard_job, 4, str(tmp_path / "ckpt"))
