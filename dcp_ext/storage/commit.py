@@ -49,7 +49,11 @@ def commit(
 
     ``at_commit_point`` runs once ``.metadata`` may reference the new data files: from
     then on a failure must not remove them (before it, ``discard_save`` removes them and
-    the temporary files).
+    the temporary files). Locally it runs just before the rename that publishes
+    ``.metadata``: a Ctrl-C that lands in the rename is raised as it returns, and the
+    failure handler then deleted the data files the new ``.metadata`` references (both
+    checkpoints lost). A rename that fails instead leaves them unreferenced, for the
+    next save's ``remove_dead_files``.
     """
     def marker(written_metadata: str) -> bytes:  # records the file's stamp: readers need not read it to trust the index
         return CommitMarker.for_bytes(save_id, metadata_bytes, index_bytes, location.stamp(written_metadata)).encode()
@@ -72,8 +76,8 @@ def commit(
     crash_point("before-commit")
     location.replace(temps[INDEX_NAME], INDEX_NAME)
     crash_point("after-index")
-    location.replace(temps[METADATA_NAME], METADATA_NAME)  # the commit point
     at_commit_point()
+    location.replace(temps[METADATA_NAME], METADATA_NAME)  # the commit point
     crash_point("before-marker")
     location.replace(temps[MARKER_NAME], MARKER_NAME)
     if sync:

@@ -220,3 +220,36 @@ def replica_mismatch_job(rank: int, world: int, root: str) -> list[str]:
 
 def test_a_save_refused_while_planned_leaves_no_step_directory(tmp_path):
     assert run_job(replica_mismatch_job, 2, str(tmp_path)) == [["step2"]] * 2
+
+
+class _CtrlCAfterPublishing:
+    """``os`` for ``dcp_ext.storage.location``, whose ``replace`` of ``.metadata`` is followed
+    by a real SIGINT to this process: a Ctrl-C landing in the rename syscall is raised as
+    the rename returns, before anything after it runs."""
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    @staticmethod
+    def replace(src: str, dst: str) -> None:
+        os.replace(src, dst)
+        if os.path.basename(dst) == ".metadata":
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_as_metadata_is_published_keeps_the_new_checkpoint(tmp_path, monkeypatch):
+    """Before, the failure handler took the save for uncommitted and deleted the data files
+    the new ``.metadata`` references: neither checkpoint loaded. Stock DCP keeps the new one."""
+    import dcp_ext.storage.location as location_module
+
+    old, new = crash_state(1), crash_state(2)
+    save(old, tmp_path)
+    monkeypatch.setattr(location_module, "os", _CtrlCAfterPublishing())
+    with pytest.raises(BaseException):  # DCP wraps the KeyboardInterrupt (or lets it through)
+        save(new, tmp_path)
+    monkeypatch.undo()
+    assert_state_dict_equal(load(new, tmp_path, cache_metadata=False)[0], new)
+    assert verify_checkpoint(str(tmp_path)).ok
+    save(old, tmp_path)  # the next save works and removes what the interrupted one retired
+    assert_state_dict_equal(load(old, tmp_path, cache_metadata=False)[0], old)
+    assert {n for n in os.listdir(tmp_path) if n.endswith((".distcp", ".tmp"))} == committed_files(tmp_path)
