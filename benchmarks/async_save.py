@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from dcp_ext import ShardWriter
 
 sys.path.insert(0, os.path.dirname(__file__))
+from cli_args import existing_dir, output_file, positive_float, positive_int  # noqa: E402
 from io_throughput import COLS, GB, TensorSpec, fill_rows, fmt, free_port, print_table  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "async_save.json"
@@ -226,16 +227,13 @@ def report(res: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=1.0, help="state dict size in GiB (default 1)")
-    p.add_argument("--tensors", type=int, default=200, help="number of tensors (default 200)")
-    p.add_argument("--repeats", type=int, default=3, help="saves after the first per case (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="writer threads, both writers (default 2)")
-    p.add_argument("--dir", type=Path, default=None, help="parent of the temporary work dir (default /tmp)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file (default {DEFAULT_JSON})")
-    args = p.parse_args(argv)
-    if args.gib <= 0 or args.tensors < 1 or args.repeats < 1 or args.threads < 1:
-        p.error("--gib must be > 0 and --tensors, --repeats, --threads >= 1")
-    return args
+    p.add_argument("--gib", type=positive_float, default=1.0, help="state dict size in GiB (default 1)")
+    p.add_argument("--tensors", type=positive_int, default=200, help="number of tensors (default 200)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="saves after the first per case (default 3)")
+    p.add_argument("--threads", type=positive_int, default=2, help="writer threads, both writers (default 2)")
+    p.add_argument("--dir", type=existing_dir, default=None, help="parent of the temporary work dir (default /tmp)")
+    p.add_argument("--json", type=output_file, default=str(DEFAULT_JSON), help=f"result file (default {DEFAULT_JSON})")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter, export_safetensors
+from cli_args import output_file, positive_int
 from io_throughput import Group, drop_caches, free_port, print_table, proc_read_bytes, read_file, timed, write_file
 
 TENSORS = 64
@@ -173,9 +174,9 @@ def measure_export(workdir: str, size_mib: int, repeat: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", default="benchmarks/results/hf_io.json")
+    parser.add_argument("--size-mib", type=positive_int, default=1024)
+    parser.add_argument("--repeat", type=positive_int, default=3)
+    parser.add_argument("--json", type=output_file, default="benchmarks/results/hf_io.json")
     args = parser.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="dcp_ext_hf_io_")
     try:

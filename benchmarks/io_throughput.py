@@ -60,6 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+from cli_args import existing_dir, output_file, positive_float, positive_int
 
 GB = 1e9
 COLS = 1024
@@ -820,19 +821,17 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0, help="state dict size in GiB (default 1)")
-    p.add_argument("--procs", type=int, default=1, help="gloo processes for the main run (default 1: none)")
-    p.add_argument("--dir", type=Path, default=None, help="parent of the temporary work dir (default /tmp)")
-    p.add_argument("--repeat", type=int, default=3, help="repeats per measurement; the median is reported")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="writer thread counts (default 1 2)")
-    p.add_argument("--json", type=Path, default=None, help=f"result file (default {DEFAULT_JSON}; {SAVE_JSON} with --save-only)")
+    p.add_argument("--size-gib", type=positive_float, default=1.0, help="state dict size in GiB (default 1)")
+    p.add_argument("--procs", type=positive_int, default=1, help="gloo processes for the main run (default 1: none)")
+    p.add_argument("--dir", type=existing_dir, default=None, help="parent of the temporary work dir (default /tmp)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="repeats per measurement; the median is reported")
+    p.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2], help="writer thread counts (default 1 2)")
+    p.add_argument("--json", type=output_file, default=None, help=f"result file (default {DEFAULT_JSON}; {SAVE_JSON} with --save-only)")
     p.add_argument("--save-only", action="store_true", help="run only the save section (ceilings, stock, ours)")
     p.add_argument("--keep", action="store_true", help="keep the work dir with its checkpoints")
     args = p.parse_args(argv)
-    if args.procs < 1 or args.repeat < 1 or args.size_gib <= 0:
-        p.error("--procs and --repeat must be >= 1 and --size-gib > 0")
     if args.json is None:
-        args.json = SAVE_JSON if args.save_only else DEFAULT_JSON
+        args.json = output_file(str(SAVE_JSON if args.save_only else DEFAULT_JSON))
     return args
 
 

@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from io_throughput import Group, drop_caches, free_port, print_table, proc_rchar, timed
+from cli_args import output_file, positive_int
 
 WORLD = 4
 TENSORS = 32
@@ -123,8 +124,8 @@ def run(phase: str, workdir: str, size_mib: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=512)
-    parser.add_argument("--json", default="benchmarks/results/load_traffic.json")
+    parser.add_argument("--size-mib", type=positive_int, default=512)
+    parser.add_argument("--json", type=output_file, default="benchmarks/results/load_traffic.json")
     args = parser.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="dcp_ext_traffic_")
     try:

@@ -80,6 +80,7 @@ from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
 from dcp_ext.planning.plan_cache import cached_plan, clear_plan_cache, plan_id, plan_key, remember_plan
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 from dcp_ext.planning.plan_table import BYTE_IO, PlanTable, items_from_table, make_table, table_from_items
+from cli_args import output_file, positive_int
 
 RESULTS = Path(__file__).parent / "results"
 TP = 8
@@ -592,13 +593,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 4096, 16384])
-    parser.add_argument("--fsdp-ranks", type=int, nargs="*", default=[1024, 2048])
-    parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--stock-max-items", type=int, default=2_500_000)
-    parser.add_argument("--metadata-max-ranks", type=int, default=16384, help="skip the metadata write/load above this")
-    parser.add_argument("--stock-load-max-ranks", type=int, default=16384, help="skip the stock per-rank load probe above this")
-    parser.add_argument("--out", type=Path, default=RESULTS / "plan_scale.json")
+    parser.add_argument("--ranks", type=positive_int, nargs="+", default=[64, 512, 4096, 16384])
+    parser.add_argument("--fsdp-ranks", type=positive_int, nargs="*", default=[1024, 2048])
+    parser.add_argument("--layers", type=positive_int, default=64)
+    parser.add_argument("--stock-max-items", type=positive_int, default=2_500_000)
+    parser.add_argument("--metadata-max-ranks", type=positive_int, default=16384, help="skip the metadata write/load above this")
+    parser.add_argument("--stock-load-max-ranks", type=positive_int, default=16384, help="skip the stock per-rank load probe above this")
+    parser.add_argument("--out", type=output_file, default=str(RESULTS / "plan_scale.json"))
     parser.add_argument("--probe", choices=("ours", "stock"), help=argparse.SUPPRESS)  # one rank's load, in a child process
     parser.add_argument("--probe-path", help=argparse.SUPPRESS)
     parser.add_argument("--probe-shards", type=int, help=argparse.SUPPRESS)

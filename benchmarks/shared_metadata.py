@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from dcp_ext import ShardReader
 from dcp_ext.planning.global_plan import plan_globally
 from io_throughput import Group, fmt, free_port, print_table, proc_rchar
+from cli_args import output_file, positive_int
 from plan_scale import RESULTS, TableMaker, coordinator_writer, make_job, write_results
 
 MODES = {"per rank": False, "shared": True}
@@ -78,10 +79,10 @@ def summarize(everyone: list[Any], repeat: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=512, help="ranks of the simulated save (512: 1.19 M chunks)")
-    parser.add_argument("--procs", type=int, default=4, help="gloo processes reading the metadata")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "shared_metadata.json")
+    parser.add_argument("--ranks", type=positive_int, default=512, help="ranks of the simulated save (512: 1.19 M chunks)")
+    parser.add_argument("--procs", type=positive_int, default=4, help="gloo processes reading the metadata")
+    parser.add_argument("--repeat", type=positive_int, default=3)
+    parser.add_argument("--out", type=output_file, default=str(RESULTS / "shared_metadata.json"))
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dcp_ext_shared_md_"))
     try:

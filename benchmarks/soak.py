@@ -39,6 +39,7 @@ from test_corruption import corrupt, stored_items  # noqa: E402
 from dcp_ext import CheckpointError  # noqa: E402
 from dcp_ext.runtime.crash import CRASH_ENV  # noqa: E402
 from dcp_ext.storage.verify import verify_checkpoint  # noqa: E402
+from cli_args import output_file, positive_float, positive_int
 
 from support import assert_state_dict_equal, load, save  # noqa: E402
 
@@ -117,12 +118,12 @@ def corruption_round(path: str, state: dict, rng: random.Random) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
-    parser.add_argument("--iterations", type=int, default=100)
-    parser.add_argument("--crash-every", type=int, default=10)
-    parser.add_argument("--corrupt-every", type=int, default=5)
+    parser.add_argument("--minutes", type=positive_float, default=None, help="stop after this long")
+    parser.add_argument("--iterations", type=positive_int, default=100)
+    parser.add_argument("--crash-every", type=positive_int, default=10)
+    parser.add_argument("--corrupt-every", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
+    parser.add_argument("--out", type=output_file, default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
     path = tempfile.mkdtemp(prefix="dcp_ext_soak_ckpt_")

@@ -49,6 +49,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from io_throughput import Group, fmt, free_port, print_table, timed
+from cli_args import output_file, positive_float, positive_int
 
 WORLD = 4
 TENSORS = 16
@@ -254,18 +255,16 @@ def summarize(result: dict[str, Any], size_bytes: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=int, default=256, help="replicated state size (default 256)")
-    parser.add_argument("--limits", type=float, nargs="+", default=list(DEFAULT_LIMITS_MBPS),
+    parser.add_argument("--size-mib", type=positive_int, default=256, help="replicated state size (default 256)")
+    parser.add_argument("--limits", type=positive_float, nargs="+", default=list(DEFAULT_LIMITS_MBPS),
                         help="storage bandwidth limits in MB/s (1e6 bytes)")
     parser.add_argument("--scope", choices=("client", "store"), default="client",
                         help="a limit per rank (client) or one shared by all ranks (store)")
-    parser.add_argument("--repeat", type=int, default=3, help="loads per reader and case; the median is reported")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="loads per reader and case; the median is reported")
     parser.add_argument("--s3", action="store_true", help="also load from moto's S3 server on loopback")
-    parser.add_argument("--s3-size-mib", type=int, default=64, help="state size for the S3 case (default 64)")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--s3-size-mib", type=positive_int, default=64, help="state size for the S3 case (default 64)")
+    parser.add_argument("--json", type=output_file, default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)
-    if args.size_mib < 1 or args.repeat < 1 or any(b <= 0 for b in args.limits):
-        parser.error("--size-mib and --repeat must be >= 1 and every limit > 0")
     workdir = Path(tempfile.mkdtemp(prefix="dcp_ext_two_stage_"))
     size_bytes = sum(t.nbytes for t in full_state(args.size_mib).values())
     res: dict[str, Any] = {"world": WORLD, "size_bytes": size_bytes, "scope": args.scope, "repeat": args.repeat,

@@ -119,6 +119,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_stats(stats: dict[str, Any]) -> None:
+    print("\nper data file: items, bytes")
+    for name, entry in stats["files"].items():
+        print(f"  {name}  {entry['items']}  {entry['bytes']}")
     per_rank = stats["bytes_per_rank"]
     print("\nbytes per saving rank: " + ", ".join(f"{rank}: {n}" for rank, n in per_rank.items()))
     if per_rank:

@@ -7,6 +7,7 @@ import importlib
 import os
 import signal
 import sys
+import warnings
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -29,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         modules[name].add_arguments(commands.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
     try:
-        return modules[args.command].main(args)
+        with warnings.catch_warnings():  # the commands run DCP in one process on purpose: its note says so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            return modules[args.command].main(args)
     except BrokenPipeError:  # the output's reader went away (``| head``): nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
         return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE

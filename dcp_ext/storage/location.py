@@ -119,7 +119,7 @@ class Location(ABC):
             yield
         except (FileExistsError, NotADirectoryError):
             raise CheckpointError(f"{self.url}: is a file (or under one), not a checkpoint directory") from None
-        except PermissionError as exc:
+        except (PermissionError, FileNotFoundError) as exc:  # no access; a parent that cannot hold directories
             raise CheckpointError(f"{self.url}: cannot create the checkpoint directory ({exc.strerror or exc})") from None
 
     def read_bytes(self, name: str) -> bytes:
@@ -345,7 +345,10 @@ class FsspecLocation(Location):
     is_local = False
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
-        fs, root = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+        try:
+            fs, root = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+        except (ValueError, ImportError) as exc:  # an unknown scheme, or its fsspec backend is not installed
+            raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({exc})") from None
         self.fs: fsspec.AbstractFileSystem = fs
         self.root = root.rstrip("/") or root
         self.url = fs.unstrip_protocol(self.root)

@@ -121,6 +121,8 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
             ["convert", str(ckpt), str(tmp_path / "o5"), "--partition-dim", "(=0"], "'(' is not a regex"),
         "convert --to hf --include not a regex": (
             ["convert", str(ckpt), str(tmp_path / "o6"), "--to", "hf", "--include", "("], "include='(' is not a regular expression"),
+        "inspect an unknown URL scheme": (["inspect", "s3x://bucket/x"], "s3x://bucket/x: cannot open this URL (Protocol not known: s3x)"),
+        "convert into /proc": (["convert", str(ckpt), "/proc/no/such"], "/proc/no/such: cannot create the checkpoint directory"),
     }
 
 
@@ -128,6 +130,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "inspect a file", "inspect .metadata directory", "inspect our .metadata directory", "inspect missing",
     "convert onto a file", "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
     "convert --iteration of a DCP checkpoint", "convert --partition-dim not a regex", "convert --to hf --include not a regex",
+    "inspect an unknown URL scheme", "convert into /proc",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main
@@ -189,3 +192,18 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     stderr = process.stderr.read()
     assert process.wait(timeout=300) == 141
     assert stderr == b""
+
+
+def test_inspect_stats_lists_every_data_file(tmp_path, capsys):
+    """``--stats`` promised bytes and items per data file; the text output left them out."""
+    from dcp_ext.cli.main import main
+
+    save(sample_state(), tmp_path, thread_count=2)
+    assert main(["inspect", str(tmp_path), "--stats"]) == 0
+    out = capsys.readouterr().out
+    files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert len(files) == 2 and "per data file: items, bytes" in out
+    for name in files:
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        items, nbytes = map(int, line.split()[1:])
+        assert items >= 1 and nbytes > 0, line
