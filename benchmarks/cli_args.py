@@ -8,15 +8,9 @@ import argparse
 import os
 from pathlib import Path
 
+from dcp_ext.cli.arg_types import positive_int
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+__all__ = ["existing_dir", "output_file", "positive_float", "positive_int"]
 
 
 def positive_float(text: str) -> float:

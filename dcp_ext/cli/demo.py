@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from dcp_ext import LoadReport, SaveReport, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.cli.arg_types import positive_int
 from dcp_ext.cli.toy_model import build_sharded_model, train_one_step
 
 CHECKPOINT_DIR = "checkpoint"
@@ -78,23 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `dcp-ext demo`."""
     parser.add_argument("--workdir", default=None,
                         help="directory for the checkpoint (default: a temp dir)")
-    parser.add_argument("--save-world", type=_positive_int, default=4,
+    parser.add_argument("--save-world", type=positive_int, default=4,
                         help="processes that save the checkpoint (default: 4)")
-    parser.add_argument("--load-world", type=_positive_int, default=2,
+    parser.add_argument("--load-world", type=positive_int, default=2,
                         help="processes that reload it (default: 2)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temp dir and print where it is")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main(args: argparse.Namespace) -> int:
