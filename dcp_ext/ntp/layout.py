@@ -36,6 +36,9 @@ class NonuniformTP:
     non_active_ranks_per_dp: Mapping[int, Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("tp_base", "tp_spares", "num_reduced_tp_dp_ranks"):
+            if type(getattr(self, name)) is not int:
+                raise InvalidRequestError(f"NonuniformTP({name}=...) must be an integer, got {getattr(self, name)!r}")
         if self.tp_base < 1 or not 0 <= self.tp_spares < self.tp_base:
             raise InvalidRequestError(f"need tp_base >= 1 and 0 <= tp_spares < tp_base, got {self.tp_base}, {self.tp_spares}")
         if self.num_reduced_tp_dp_ranks < 0:

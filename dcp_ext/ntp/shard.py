@@ -12,6 +12,7 @@ straight into them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,7 +103,12 @@ def ntp_shard(
     """
     shape = torch.Size(global_shape)
     dim = _check_dim(partition_dim, len(shape))
-    ranges = [(int(a), int(b)) for a, b in layout]
+    try:  # integers of any kind (numpy's too), never a float cut short
+        ranges = [(operator.index(a), operator.index(b)) for a, b in layout]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"layout ranges must be (start, stop) integer pairs, got {list(layout)}") from None
+    if not ranges and isinstance(local_pieces, torch.Tensor):  # a rank that owns no rows (row_map gave [])
+        ranges = [(0, 0)]
     _check_ranges(ranges, shape[dim])
     lengths = [b - a for a, b in ranges]
     if isinstance(local_pieces, torch.Tensor):

@@ -73,6 +73,18 @@ def test_bad_layouts_are_rejected():
         NonuniformTP(4, 2).row_map(1, 0, 8, unit=3)
     with pytest.raises(ValueError, match="no TP slot 4"):
         NonuniformTP(4, 2).row_map(1, 4, 8)
+    for bad in ("4", 4.5):  # was a bare TypeError, or accepted
+        with pytest.raises(ValueError, match=r"NonuniformTP\(tp_base=\.\.\.\) must be an integer"):
+            NonuniformTP(bad, 2)
+
+
+def test_a_rank_that_owns_no_rows_wraps_its_empty_tensor():
+    """``row_map`` gives [] for a slot with no rows (8 rows cannot reach every slot of a
+    size-1 tensor); the documented flow passed that on and was refused."""
+    rows = NonuniformTP(tp_base=4, tp_spares=2).row_map(0, 1, size=1)
+    assert rows == []
+    shard = ntp_shard(torch.empty(0, 3), rows, global_shape=(1, 3))
+    assert shard.shape == (1, 3) and shard.dtype == torch.float32
 
 
 # -- ntp_shard and refinement ---------------------------------------------------------------
@@ -102,6 +114,7 @@ def test_ntp_shard_views_the_local_tensor():
         (([torch.zeros(2, 3)], [(0, 2), (4, 6)], (8, 3), 0), "1 pieces for 2 ranges"),
         (([torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.half)], [(0, 2), (4, 6)], (8, 3), 0), "expected"),
         ((torch.zeros(2, 3), [(0, 2)], (8, 3), 2), "partition_dim 2 out of range"),
+        ((torch.zeros(2, 3), [(0.5, 2.5)], (8, 3), 0), "integer pairs"),  # was cut to [0, 2) silently
     ],
 )
 def test_ntp_shard_rejects_bad_pieces(args, match):
