@@ -25,6 +25,10 @@ class CheckpointExistsError(CheckpointError):
     """A save with ``overwrite=False`` found a committed checkpoint in place."""
 
 
+class ReplicaMismatchError(CheckpointError, ValueError):
+    """Ranks declare the same key and offsets with different data; DCP would keep one silently."""
+
+
 class InvalidRequestError(CheckpointError, ValueError):
     """A state dict, placements, plans or options that cannot be saved or loaded as asked.
 

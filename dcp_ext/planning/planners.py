@@ -19,7 +19,7 @@ from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.safe_load import safe_load_bytes
-from dcp_ext.planning.dedup import chunk_view
+from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
 from dcp_ext.planning.load_plan import local_read_items
@@ -37,9 +37,10 @@ from dcp_ext.planning.plan_cache import (
     remembered_units,
 )
 from dcp_ext.planning.plan_table import PlanTable, table_from_items
-from dcp_ext.planning.replica_check import chunk_digest_rows
+from dcp_ext.planning.replica_check import chunk_digest, chunk_digest_rows
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
+from dcp_ext.storage.piece_digests import PieceDigest
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
@@ -96,6 +97,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         self._agreement: Agreement | None = None
         self.last_global_plan: GlobalPlan | None = None
         self.plan_reused = False
+        self.piece_digests: tuple[PieceDigest, ...] = ()  # split pieces this rank holds (finish_plan)
         self._local_items: list[WriteItem] = []
         self._chunks: ChunkMemo = {}
 
@@ -186,7 +188,20 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if assignment.units is not None:
             remember_units(assignment.units)
         self.plan = SavePlan(assigned_items(self._local_items, assignment), storage_data=new_plan.storage_data)
+        self.piece_digests = self._piece_digests(assignment.cuts) if assignment.cuts and self.check_replicas else ()
         return self.plan
+
+    def _piece_digests(self, cuts: Cuts) -> tuple[PieceDigest, ...]:
+        """Digests of every split piece this rank holds, written by it or not: ShardWriter
+        sends them with its results and the coordinator compares them before the commit
+        (``dcp_ext.storage.piece_digests``; the plan-time check sees declared chunks only)."""
+        pieces = [item for item in refine_items(self._local_items, cuts)
+                  if item.index.fqn in cuts and item.type == WriteItemType.SHARD]
+        return tuple(
+            (item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes),
+             chunk_digest(chunk_view(self.state_dict[item.index.fqn], item, self._chunks)))
+            for item in pieces
+        )
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if isinstance(write_item.index, ReplicaCopyIndex):  # a TP-replica copy: the same data as the canonical item

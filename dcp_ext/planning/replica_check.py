@@ -21,16 +21,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 
-from dcp_ext.errors import CheckpointError
+from dcp_ext.errors import ReplicaMismatchError  # noqa: F401 - raised by the replica checks that import it from here
 from dcp_ext.planning.placements import axis_name, describe_mesh
 
 SAMPLES = 1024
 
 ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
-
-
-class ReplicaMismatchError(CheckpointError, ValueError):
-    """Ranks declare the same key and offsets with different data; DCP would keep one silently."""
 
 
 def chunk_digest(tensor: torch.Tensor) -> bytes:

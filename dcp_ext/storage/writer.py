@@ -31,6 +31,7 @@ from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreferenced
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
+from dcp_ext.storage.piece_digests import check_piece_digests, split_piece_digests, with_piece_digests
 from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
 from dcp_ext.storage.staging import AsyncStagingMixin
 from dcp_ext.storage.writeback import early_writeback
@@ -205,13 +206,15 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         if not self.is_coordinator:  # its part ends here; the coordinator's after the commit
             self._publish(metadata_bytes=0)
         done: Future[list[WriteResult]] = Future()
-        done.set_result(self.written)
+        done.set_result(with_piece_digests(self.written, self.rank, getattr(planner, "piece_digests", ())))
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         crash_point("after-data")
         token = self._token
         with discard_on_failure(token):  # until the commit point
+            results, pieces = split_piece_digests(results)
+            check_piece_digests(pieces, self.location.url)
             with self.clock.phase("metadata"):
                 metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
             with self.clock.phase("commit"):

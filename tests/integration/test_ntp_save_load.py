@@ -201,3 +201,30 @@ def test_uniform_tp4_checkpoint_loads_into_the_ntp_layout(ntp_checkpoint, tmp_pa
     assert len(md["model.layers.0.attn.qkv.weight"].chunks) == 4
     row_maps = run_job(load_ntp_job, len(COORDS), uniform)
     assert row_maps[4:] == [[(2, 3), (6, 7)], [(3, 4), (7, 8)]]  # the spares
+
+
+def diverged_replica_job(rank: int, world: int, path: str, diverged: bool) -> str:
+    """Rank 0, a reduced replica, holds rows [0, 8) of "w"; rank 1, a core of a healthy
+    replica, rows [0, 4). Their chunks differ, so the planner splits them and one writes
+    rows [0, 4): before, a diverged copy there was written without a comparison."""
+    rows = [(0, 8)] if rank == 0 else [(0, 4)]
+    full = torch.arange(16.0).reshape(8, 2)
+    local = torch.cat([full[a:b] for a, b in rows]) + (1000.0 if diverged and rank == 1 else 0.0)
+    try:
+        dcp.save({"w": ntp_shard(local, rows, (8, 2))}, storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+    except CheckpointException as exc:
+        return str(next(iter(exc.failures.values()))[0])
+    got = {"w": garbage_like(full)}
+    dcp.load(got, storage_reader=FileSystemReader(path), no_dist=True)
+    assert_tensor_equal(got["w"], full, "w")
+    return "saved"
+
+
+@pytest.mark.mp
+def test_replicas_split_across_different_chunks_are_compared(tmp_path):
+    assert run_job(diverged_replica_job, 2, str(tmp_path / "same"), False) == ["saved"] * 2
+    messages = run_job(diverged_replica_job, 2, str(tmp_path / "diverged"), True)
+    assert all("'w' chunk at offsets [0, 0] size [4, 2]: ranks [0] vs ranks [1]" in m for m in messages), messages
+    assert all("ReplicaMismatch" in m or "diverged" in m for m in messages), messages
+    assert not (tmp_path / "diverged" / ".metadata").exists()
+    assert not list((tmp_path / "diverged").glob("*.distcp"))
