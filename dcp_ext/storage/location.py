@@ -292,15 +292,13 @@ class LocalLocation(Location):
 
     def makedirs(self) -> bool:
         with self._directory_errors():
-            if os.path.isdir(self.root):
-                return False
             try:
                 os.makedirs(self.root)
                 return True
             except FileExistsError:
                 if not os.path.isdir(self.root):
                     raise
-                return False  # made by another rank in between
+                return False
 
     def remove_dir_if_empty(self) -> None:
         with contextlib.suppress(OSError):

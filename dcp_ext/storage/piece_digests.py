@@ -52,6 +52,6 @@ def check_piece_digests(pieces: list[PieceDigests], where: str) -> None:
             for (fqn, offsets, sizes), versions in bad[:5]
         )
         raise ReplicaMismatchError(
-            f"{where}: {len(bad)} rows of replicas split across different chunks hold different data ({detail}); "
+            f"{where}: {len(bad)} pieces of replicas split across different chunks hold different data ({detail}); "
             "replicas that diverged: no copy is saved"
         )
