@@ -55,7 +55,7 @@ def describe(path: str, stats: bool = False) -> dict[str, Any]:
         "path": catalog.url,
         "index": catalog.indexed,
         "keys": keys,
-        "files": len({i.relative_path for i in catalog.items.values()}),
+        "files": len({i.relative_path for i in itertools.chain(catalog.items.values(), *catalog.copies.values())}),
         "bytes": sum(k["bytes"] for k in keys),
     }
     if catalog.format in FORMAT_NAMES:

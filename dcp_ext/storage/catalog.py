@@ -222,7 +222,8 @@ class _MetadataFile:
                     size, crc = size + n, crc32c.crc32c(view[:n], crc)
             return cls((size, crc), None)
         except FileNotFoundError:
-            raise CheckpointError(f"{location.url}: no committed checkpoint here ({METADATA_NAME} is missing)") from None
+            why = f"{METADATA_NAME} is missing" if location.listdir() else "no such directory, or it is empty"
+            raise CheckpointError(f"{location.url}: no committed checkpoint here ({why})") from None
 
     def contents(self, location: Location) -> bytes:
         """The bytes (read again if only streamed; a changed file fails the catalog's signature check)."""

@@ -80,6 +80,7 @@ def test_verify_reports_overlapping_and_missing_chunks(tmp_path):
 
 @pytest.mark.mp
 def test_verify_of_a_directory_without_checkpoint_fails(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
     result = dcp_ext_cli("verify", str(tmp_path))
     assert result.returncode == 1 and ".metadata is missing" in result.stdout
 
@@ -107,7 +108,8 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
         "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
         "inspect our .metadata directory": (["inspect", str(ours_meta_dir)], ".metadata is a directory, expected a file"),
-        "inspect missing": (["inspect", str(tmp_path / "nope")], ".metadata is missing"),
+        "inspect missing": (["inspect", str(tmp_path / "nope")], "no committed checkpoint here (no such directory, or it is empty)"),
+        "inspect without .metadata": (["inspect", str(tmp_path)], "no committed checkpoint here (.metadata is missing)"),
         "convert onto a file": (["convert", str(ckpt), str(afile)], f"{afile}: is a file"),
         "convert onto itself": (["convert", str(ckpt), str(ckpt)], "is the source checkpoint"),
         "convert a file": (["convert", str(afile), str(tmp_path / "out")], "is a file, not a checkpoint directory"),
@@ -127,7 +129,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("mistake", [
-    "inspect a file", "inspect .metadata directory", "inspect our .metadata directory", "inspect missing",
+    "inspect a file", "inspect .metadata directory", "inspect our .metadata directory", "inspect missing", "inspect without .metadata",
     "convert onto a file", "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
     "convert --iteration of a DCP checkpoint", "convert --partition-dim not a regex", "convert --to hf --include not a regex",
     "inspect an unknown URL scheme", "convert into /proc",

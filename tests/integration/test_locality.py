@@ -72,6 +72,20 @@ def test_each_tp_rank_reads_only_its_own_files(tmp_path):
     assert stats["largest"][0]["key"] in ("attn.qkv.weight", "attn.proj.weight")
 
 
+def _save_replicated_only(rank: int, world: int, path: str) -> None:
+    state = {k: v for k, v in _state(world).items() if isinstance(SPECS[k][1], Replicate)}
+    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=True))
+
+
+@pytest.mark.mp
+def test_inspect_counts_files_that_hold_only_copies(tmp_path):
+    run_job(_save_replicated_only, 2, str(tmp_path))
+    info = describe(str(tmp_path), stats=True)
+    data_files = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert {n[:3] for n in data_files} == {"__0", "__1"}  # rank 1 writes only copies of rank 0's items
+    assert info["files"] == len(data_files) and sorted(info["stats"]["files"]) == data_files
+
+
 @pytest.mark.mp
 @pytest.mark.parametrize("reader", ["stock", "ours-1proc"])
 def test_locality_checkpoint_loads_anywhere(tmp_path, reader):

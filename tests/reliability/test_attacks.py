@@ -414,6 +414,12 @@ def test_index_without_its_metadata_is_not_a_checkpoint(tmp_path):
 
 
 def test_directory_without_metadata_is_not_a_checkpoint(tmp_path):
+    """An empty or absent directory is told apart from one holding files but no ``.metadata``
+    (a typo in the path, against a save that never committed)."""
+    for path in (tmp_path, tmp_path / "no" / "such"):
+        with pytest.raises(CheckpointError, match=r"no committed checkpoint here \(no such directory, or it is empty\)"):
+            ShardReader(path).read_metadata()
+    (tmp_path / "__0_0.distcp").write_bytes(b"data of a save that never committed")
     with pytest.raises(CheckpointError, match=r"no committed checkpoint.*\.metadata is missing"):
         ShardReader(tmp_path).read_metadata()
 
