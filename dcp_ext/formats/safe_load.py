@@ -35,6 +35,7 @@ SAFE_GLOBALS: list[Any] = [
     argparse.Namespace,
     io.BytesIO,  # Transformer Engine ``_extra_state`` (plain bytes, no code)
     bytes,  # ``b""`` pickles as ``bytes()`` (non-empty bytes use ``_codecs.encode``, allowed by torch)
+    frozenset,  # a plain container like the ``set`` torch already allows
     np.ndarray,
     np.dtype,
     _MULTIARRAY._reconstruct,  # numpy arrays
@@ -44,8 +45,8 @@ SAFE_GLOBALS: list[Any] = [
     *dict.fromkeys(type(np.dtype(code)) for code in _PLAIN_DTYPE_CODES),
 ]
 ALLOWED_TEXT = (
-    "only tensors, plain containers, bytes, argparse.Namespace, io.BytesIO and numpy arrays and "
-    "scalars of bool/int/uint/float/complex dtypes are allowed"
+    "only tensors, plain containers (dict, list, tuple, set, frozenset), bytes, argparse.Namespace, io.BytesIO "
+    "and numpy arrays and scalars of bool/int/uint/float/complex dtypes are allowed"
 )
 
 

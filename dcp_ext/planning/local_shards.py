@@ -17,7 +17,13 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_write_items
 from torch.distributed.tensor import DTensor
 
+from dcp_ext.errors import InvalidRequestError
+
 ChunkMemo = dict[tuple[Any, ...], list[ChunkStorageMetadata]]  # DTensor layout -> its local chunks
+# sub-byte integer dtypes: torch.save has no storage type for them
+SUB_BYTE_DTYPES = frozenset(
+    d for bits in range(1, 8) for d in (getattr(torch, f"uint{bits}", None), getattr(torch, f"int{bits}", None)) if d
+)
 
 
 def local_chunks(obj: torch.Tensor, memo: ChunkMemo) -> list[ChunkStorageMetadata]:
@@ -38,6 +44,8 @@ def local_write_items(state_dict: dict[str, Any], memo: ChunkMemo) -> list[Write
     order and with its fields; a plain DTensor's chunk from ``memo``."""
     items: list[WriteItem] = []
     for fqn, obj in state_dict.items():
+        if isinstance(obj, torch.Tensor):
+            check_savable(fqn, obj)
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
         if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:
@@ -45,6 +53,20 @@ def local_write_items(state_dict: dict[str, Any], memo: ChunkMemo) -> list[Write
         else:
             items += _create_write_items(fqn, obj)
     return items
+
+
+def check_savable(fqn: str, tensor: torch.Tensor) -> None:
+    """Refuse, by key, a tensor DCP cannot store (it fails later, naming nothing)."""
+    if tensor.layout != torch.strided:
+        raise InvalidRequestError(
+            f"key {fqn!r}: a {str(tensor.layout).removeprefix('torch.')} tensor cannot be saved, only strided "
+            "(dense) ones; save tensor.to_dense(), or its parts (indices and values) under keys of their own"
+        )
+    if tensor.dtype in SUB_BYTE_DTYPES:
+        raise InvalidRequestError(
+            f"key {fqn!r}: {tensor.dtype} tensors cannot be saved (torch.save has no storage for sub-byte "
+            "integers); save tensor.view(torch.uint8), the same bytes, and view them back after the load"
+        )
 
 
 def _dtensor_item(fqn: str, obj: DTensor, chunk: ChunkStorageMetadata) -> WriteItem:

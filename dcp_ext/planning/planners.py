@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import numbers
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
+from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.safe_load import safe_load_bytes
@@ -304,17 +305,42 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         return self.transform_tensor(read_item, local)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """DCP puts the stored object in place of whatever the state dict holds. Where that
+        is a tensor, a stored number (an optimizer's ``lr`` or ``step`` saved as a float,
+        loaded into one kept as a tensor) is written into a 0-d tensor instead, so loads
+        into a model's own tensors take effect; anything else is refused: DCP would swap
+        the tensor for it (a hostile checkpoint: for one of another shape)."""
         fqn = read_item.dest_index.fqn
-        if isinstance(self.state_dict.get(fqn), torch.Tensor):  # DCP would swap the tensor out
-            raise CorruptCheckpointError(
-                f"key {fqn!r}: the state dict holds a tensor here but the checkpoint stores a non-tensor "
-                "item; refusing to replace the tensor with it"
-            )
         if self.allow_unsafe_bytes:
             obj = torch.load(value, weights_only=False)
         else:
             obj = safe_load_bytes(value.getvalue(), f"key {fqn!r}", "ShardLoadPlanner(allow_unsafe_bytes=True)")
+        dst = self.state_dict.get(fqn)
+        if isinstance(dst, torch.Tensor):
+            _fill_scalar(fqn, dst, obj)
+            return
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _fill_scalar(fqn: str, dst: torch.Tensor, obj: Any) -> None:
+    """Write a stored number into the 0-d tensor the state dict holds at ``fqn``, cast as
+    DCP casts tensors on load; refuse anything else in a tensor's place."""
+    if isinstance(obj, numbers.Real) and dst.dim() == 0:
+        value = int(obj) if isinstance(obj, numbers.Integral) else float(obj)
+        try:
+            with torch.no_grad():
+                dst.fill_(value)
+            return
+        except (RuntimeError, TypeError, OverflowError) as exc:
+            raise InvalidRequestError(
+                f"key {fqn!r}: the checkpoint stores the number {value!r}, which does not fit the state dict's "
+                f"{dst.dtype} tensor ({exc})"
+            ) from None
+    raise InvalidRequestError(
+        f"key {fqn!r}: the checkpoint stores a non-tensor item ({type(obj).__name__}) where the state dict holds a "
+        f"tensor of shape {list(dst.shape)}; only a number loads into a tensor, a 0-d one. Load this key into a "
+        "state dict holding a non-tensor value there"
+    )

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext import InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 
 from mp import run_job
 from support import assert_state_dict_equal, distributed_state, garbage_like, make_globals
@@ -266,6 +266,42 @@ def test_a_key_that_is_not_unicode_text_is_refused_by_name(tmp_path):
                  planner=ShardSavePlanner(), no_dist=True)
     error = next(iter(info.value.failures.values()))[0]
     assert "key 'layer\\udcff.w' is not valid Unicode text" in str(error) and str(tmp_path) in str(error), error
+    out = {"ok": garbage_like(torch.ones(2))}
+    dcp.load(out, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    assert_state_dict_equal(out, {"ok": torch.ones(2)})
+
+
+@pytest.mark.parametrize("reader", ["stock", "ours"])
+def test_a_stored_number_loads_into_a_0d_tensor_in_place(tmp_path, reader):
+    """An optimizer saved with float ``lr``/``step``, resumed into one that keeps them as
+    tensors: DCP's planner puts the float in the tensor's place (a load into the model's
+    own tensors would not take effect); ShardLoadPlanner writes it into the tensor, cast
+    to its dtype. A stock checkpoint and one of ours alike."""
+    stored = {"lr": 0.01, "step": 7, "flag": True, "half": 1.5}
+    storage = dcp.FileSystemWriter(tmp_path) if reader == "stock" else ShardWriter(tmp_path)
+    dcp.save(stored, storage_writer=storage, no_dist=True)
+    dst = {"lr": torch.tensor(-1.0, dtype=torch.float64), "step": torch.tensor(-1.0), "flag": torch.tensor(False),
+           "half": torch.nn.Parameter(torch.tensor(-1.0, dtype=torch.bfloat16))}
+    state = dict(dst)
+    dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    assert all(state[k] is dst[k] for k in dst)
+    assert_state_dict_equal(dst, {"lr": torch.tensor(0.01, dtype=torch.float64), "step": torch.tensor(7.0),
+                                  "flag": torch.tensor(True), "half": torch.tensor(1.5, dtype=torch.bfloat16)})
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "uint1", "int4"])
+def test_a_tensor_dcp_cannot_store_is_refused_by_key(tmp_path, kind):
+    """Stock DCP fails on these deep inside (``Cannot access storage of SparseTensorImpl``,
+    ``KeyError: 'dtype torch.uint1 is not recognized'`` from torch.save), naming no key."""
+    bad = {"sparse_coo": lambda: torch.eye(3).to_sparse(), "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+           "uint1": lambda: torch.zeros(8, dtype=torch.uint1), "int4": lambda: torch.zeros(8, dtype=torch.int4)}[kind]()
+    dcp.save({"ok": torch.ones(2)}, storage_writer=ShardWriter(tmp_path), planner=ShardSavePlanner(), no_dist=True)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"ok": torch.zeros(2), "layer.w": bad}, storage_writer=ShardWriter(tmp_path),
+                 planner=ShardSavePlanner(), no_dist=True)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, InvalidRequestError) and "key 'layer.w'" in str(error), error
+    assert ("only strided" if kind.startswith("sparse") else "tensor.view(torch.uint8)") in str(error)
     out = {"ok": garbage_like(torch.ones(2))}
     dcp.load(out, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
     assert_state_dict_equal(out, {"ok": torch.ones(2)})

@@ -22,9 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_ext import CheckpointError, CorruptCheckpointError, ShardLoadPlanner, ShardReader, UnsafeCheckpointError
+from dcp_ext import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidRequestError,
+    ShardLoadPlanner,
+    ShardReader,
+    UnsafeCheckpointError,
+)
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 
@@ -289,11 +297,23 @@ def test_custom_class_bytes_item_loads_with_an_opt_out(tmp_path, opt_out):
 
 
 def test_non_tensor_item_never_replaces_a_tensor(tmp_path):
-    """A checkpoint (or a hostile index) storing a key as bytes cannot swap out a tensor."""
-    save({"w": 5}, tmp_path)
-    state = {"w": torch.ones(3)}
-    error = load_error(state, tmp_path)
-    assert isinstance(error, CorruptCheckpointError) and "'w'" in str(error) and "non-tensor" in str(error)
+    """A checkpoint (or a hostile index) storing a key as bytes cannot swap out a tensor:
+    only a number loads into one, a 0-d one (tests/integration/test_roundtrip.py)."""
+    for stored, dst, says in [
+        (5, torch.ones(3), "non-tensor item (int) where the state dict holds a tensor of shape [3]"),
+        ("text", torch.tensor(1.0), "non-tensor item (str)"),
+        (b"raw", torch.ones(3), "non-tensor item (bytes)"),
+        (2**70, torch.tensor(1), "the number 1180591620717411303424, which does not fit the state dict's torch.int64"),
+    ]:
+        save({"w": stored}, tmp_path, overwrite=True)
+        kept = dst.clone()
+        state = {"w": dst}
+        try:
+            dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner())
+        except CheckpointException as exc:
+            error = next(iter(exc.failures.values()))[0]
+        assert isinstance(error, InvalidRequestError) and "key 'w'" in str(error) and says in str(error), error
+        assert state["w"] is dst and dst.equal(kept)
 
 
 # -- the index ---------------------------------------------------------------------------

@@ -44,6 +44,12 @@ def test_bytes_and_bytearrays_load(value):
     assert type(got["v"]) is type(value) and got["v"] == value
 
 
+def test_plain_containers_load():
+    value = {"set": {1, 2}, "frozenset": frozenset({"a", 3}), "tuple": (1, [2.5, None]), "empty": frozenset()}
+    got = safe_torch_load(saved(value), "key 'x'")
+    assert got == value and type(got["frozenset"]) is frozenset and type(got["set"]) is set
+
+
 class Payload:
     """Pickles as a call of ``func(*args)``."""
 
