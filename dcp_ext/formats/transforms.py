@@ -3,8 +3,9 @@
 Stock writers may pass every record through a chain of ``StreamTransformExtension``s and
 record the chain per item in ``.metadata`` (``_StorageInfo.transform_descriptors``, e.g.
 ``["stream.zstd/1"]``). A transformed record has no byte-addressable payload, so it is read
-whole and decoded through DCP's own ``ExtensionRegistry`` (which knows every extension
-torch ships and those registered with it); the decoded bytes are an ordinary record.
+whole and decoded through a DCP ``ExtensionRegistry`` of the extensions torch ships (a
+writer's own extensions live in the registry it was given, which a checkpoint does not
+name); the decoded bytes are an ordinary record.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
-from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
 
 _REGISTRY = ExtensionRegistry()
 RECORD_OVERHEAD = 1 << 16  # a torch.save record's zip entries around its tensor bytes
@@ -35,12 +36,19 @@ def decode(descriptors: Sequence[str], stored: bytes | bytearray, where: str, li
     """
     try:
         extensions = _REGISTRY.from_descriptor_list(list(descriptors))
+    except ValueError as exc:  # a stock writer's own extension, registered in its registry only
+        raise InvalidRequestError(
+            f"{where}: written through stream transforms {list(descriptors)}, which this reader cannot undo "
+            f"({exc}); it decodes the extensions torch ships (stream.zstd). Load this checkpoint with "
+            "FileSystemReader(path, _extension_registry=...) holding the writer's extensions"
+        ) from None
+    try:
         stream: io.IOBase = io.BytesIO(stored)
         for extension in extensions:
             if isinstance(extension, StreamTransformExtension):
                 stream = extension.transform_from(stream)
         record = stream.read(limit + 1)
-    except Exception as exc:  # unknown descriptor, missing codec, corrupt compressed bytes
+    except Exception as exc:  # missing codec, corrupt compressed bytes
         raise CorruptCheckpointError(
             f"{where}: cannot undo stream transforms {list(descriptors)} ({type(exc).__name__}: {exc})"
         ) from None

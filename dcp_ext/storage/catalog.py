@@ -222,7 +222,11 @@ class _MetadataFile:
                     size, crc = size + n, crc32c.crc32c(view[:n], crc)
             return cls((size, crc), None)
         except FileNotFoundError:
-            why = f"{METADATA_NAME} is missing" if location.listdir() else "no such directory, or it is empty"
+            names = location.listdir()
+            why = f"{METADATA_NAME} is missing" if names else "no such directory, or it is empty"
+            if rank_metadata_name(0) in names:
+                why += (f"; its {rank_metadata_name(0)}, ... are per-rank metadata of dcp.save(use_collectives=False), "
+                        "which dcp.load reads at the saving world size, each rank its own")
             raise CheckpointError(f"{location.url}: no committed checkpoint here ({why})") from None
 
     def contents(self, location: Location) -> bytes:
@@ -359,27 +363,51 @@ def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
     if decoded is not None and (decoded.metadata_size, decoded.metadata_crc32c) == metadata_file.facts:
         check_committed()
         indexed = decoded
-    if indexed is not None and indexed.metadata is not None:
+    if indexed is not None and indexed.metadata is not None:  # decode_index checked its own rows
         metadata, items = indexed.metadata, indexed.items
-    else:
-        metadata = load_metadata_pickle(metadata_file.contents(location), source)
-        items = indexed.items if indexed is not None else None
+        return Catalog(location.url, metadata, items, True, marked, inputs.signature, indexed.copies,
+                       fingerprint=metadata_file.facts[1])
+    metadata = load_metadata_pickle(metadata_file.contents(location), source)
+    return _checked_catalog(
+        location, metadata, source, inputs.signature, metadata_file.facts[1], indexed, marked or indexed is None
+    )
+
+
+def _checked_catalog(
+    location: Location, metadata: Metadata, source: str, signature: tuple[Any, ...], fingerprint: int,
+    indexed: IndexedCheckpoint | None = None, committed: bool = True,
+) -> Catalog:
+    """The catalog of an unpickled ``.metadata`` (items from the index that records it, or
+    from its ``storage_data``), checked against each other."""
     try:
-        if items is None:
-            items = items_from_storage_data(metadata, source)
+        items = indexed.items if indexed is not None else items_from_storage_data(metadata, source)
         copies = indexed.copies if indexed is not None else {}
-        from_index = indexed is not None and indexed.metadata is metadata
-        if not from_index:  # decode_index checked its own rows
-            check_metadata(metadata, items, source, copies)
-        catalog = Catalog(
-            location.url, metadata, items, indexed is not None, marked or indexed is None, inputs.signature, copies,
-            fingerprint=metadata_file.facts[1],
-        )
+        check_metadata(metadata, items, source, copies)
+        return Catalog(location.url, metadata, items, indexed is not None, committed, signature, copies,
+                       fingerprint=fingerprint)
     except CheckpointError:
         raise
     except Exception as exc:  # untrusted structure: whatever validation trips over is corruption
         raise CorruptCheckpointError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
-    return catalog
+
+
+def rank_metadata_name(rank: int) -> str:
+    """Where a stock ``dcp.save(use_collectives=False)`` puts a rank's own metadata."""
+    return f"__{rank}{METADATA_NAME}"
+
+
+def read_rank_catalog(location: Location, rank: int) -> Catalog:
+    """The catalog of one rank's part of a save made without collectives: a stock
+    ``.metadata`` pickle per rank, describing that rank's data alone. DCP asks a reader for
+    it (``read_metadata(rank=r)``) when the checkpoint has no ``.metadata``."""
+    name = rank_metadata_name(rank)
+    source = f"{location.url}/{name}"
+    try:
+        data = location.read_bytes(name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{location.url}: no committed checkpoint here (neither {METADATA_NAME} nor {name})") from None
+    metadata = load_metadata_pickle(data, source)
+    return _checked_catalog(location, metadata, source, (location.signature(name),), crc32c.crc32c(data))
 
 
 def catalog_signature(location: Location) -> tuple[Any, ...]:

@@ -28,8 +28,8 @@ from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
-from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog
-from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
+from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, rank_metadata_name, read_rank_catalog
+from dcp_ext.storage.catalog_formats import FORMATS, open_catalog, with_views
 from dcp_ext.storage.executors import (
     DEFAULT_BUDGET_BYTES,
     EXECUTORS,
@@ -170,11 +170,14 @@ class ShardReader(StorageReader):
         self.stats = ReadStats()
         self.clock = PhaseClock(LOAD_PHASES)
         with self.clock.phase("metadata"):
-            metadata = self._open_metadata()
+            metadata = self._open_metadata(kwargs.get("rank"))
         self.stats.seconds += self.clock.seconds["metadata"]
         return metadata
 
-    def _open_metadata(self) -> Metadata:
+    def _open_metadata(self, rank: int | None) -> Metadata:
+        """``rank``: DCP asks for that rank's own metadata when ``.metadata`` is missing (a
+        stock ``dcp.save(use_collectives=False)`` writes one per rank); the load then runs
+        without collectives."""
         for option, on, what in (
             ("two_stage", self.two_stage, "exchanges bytes"),
             ("share_metadata", self.share_metadata, "sends the metadata"),
@@ -184,7 +187,15 @@ class ShardReader(StorageReader):
                     f"{self.location.url}: ShardReader({option}=True) {what} between ranks and needs an "
                     "initialized torch.distributed process group"
                 )
-        if self.share_metadata:
+            if on and rank is not None:
+                raise InvalidRequestError(
+                    f"{self.location.url}: ShardReader({option}=True) {what} between ranks, but this checkpoint "
+                    f"has per-rank metadata ({rank_metadata_name(rank)}, a dcp.save(use_collectives=False)) that "
+                    "each rank loads alone"
+                )
+        if rank is not None:
+            self.catalog, was_read = with_views(self.location, read_rank_catalog(self.location, rank), self.megatron), True
+        elif self.share_metadata:
             self.catalog, was_read = open_shared_catalog(self.location, self.group, self.cache_metadata, self.megatron)
         else:
             self.catalog, was_read = open_catalog(self.location, self.cache_metadata, self.megatron)

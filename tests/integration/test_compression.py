@@ -3,16 +3,19 @@ read back by ShardReader (plain, verified, resharded) and by stock FileSystemRea
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import (
     ChecksumMismatchError,
+    CorruptCheckpointError,
     InvalidRequestError,
     ShardLoadPlanner,
     ShardReader,
@@ -22,7 +25,7 @@ from dcp_ext import (
 from dcp_ext.cli.main import main as cli
 
 from mp import run_job
-from support import assert_state_dict_equal, garbage_like
+from support import assert_state_dict_equal, garbage_like, load_error
 
 
 def full_tensors() -> dict[str, torch.Tensor]:
@@ -80,3 +83,40 @@ def test_unknown_compression_is_an_error(tmp_path, compression):
     with pytest.raises(InvalidRequestError, match=f"compression={compression!r} is not one of"):
         ShardWriter(tmp_path, compression=compression)
     assert not os.listdir(tmp_path)
+
+
+class XorExtension(StreamTransformExtension):
+    """A user's own stream transform: known to the registry its writer was given, nowhere else."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.xor"
+
+    @staticmethod
+    def from_descriptor(version: str) -> XorExtension:
+        return XorExtension()
+
+    def get_descriptor(self) -> str:
+        return "test.xor/1"
+
+    def transform_to(self, output):  # noqa: ANN001, ANN201
+        class Xored(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, b) -> int:  # noqa: ANN001
+                return output.write(bytes(x ^ 0x5A for x in bytes(b)))
+
+        return Xored()
+
+    def transform_from(self, input):  # noqa: ANN001, ANN201, A002
+        return io.BytesIO(bytes(x ^ 0x5A for x in input.read()))
+
+
+def test_a_writers_own_stream_extension_is_refused_by_name(tmp_path):
+    """Stock loads it given the writer's registry; ShardReader cannot be given one, and says
+    so (it said the checkpoint was corrupt)."""
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[XorExtension()]))
+    error = load_error({"w": torch.zeros(6)}, tmp_path)
+    assert isinstance(error, InvalidRequestError) and not isinstance(error, CorruptCheckpointError)
+    assert "key 'w': written through stream transforms ['test.xor/1']" in str(error) and "_extension_registry" in str(error)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.cli.main import main as cli
 
 from mp import run_job
 from support import assert_state_dict_equal, garbage_like, make_globals
@@ -271,3 +272,25 @@ def test_corrupt_compressed_record_is_reported_by_verify(tmp_path, capsys):
     assert "FAULT" in capsys.readouterr().out
     with pytest.raises(BaseException, match=r"stream transforms|crc32|unreadable"):
         dcp.load({"w": torch.zeros(4096)}, storage_reader=ShardReader(tmp_path, verify_checksums=True))
+
+
+def per_rank_metadata_job(rank: int, world: int, path: str) -> None:
+    """Stock ``dcp.save(use_collectives=False)``: each rank writes ``__{rank}.metadata`` for
+    its own state, and DCP loads each rank's part from it (``read_metadata(rank=r)``)."""
+    state = {"w": torch.arange(6.0) * (rank + 1), f"own{rank}": torch.full((2, 3), rank, dtype=torch.int64), "step": rank}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), use_collectives=False)
+    dist.barrier()
+    for planner in (ShardLoadPlanner(), DefaultLoadPlanner()):
+        out = {k: garbage_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in state.items()}
+        dcp.load(out, storage_reader=ShardReader(path, verify_checksums=True), planner=planner)
+        assert_state_dict_equal(out, state, f"rank {rank}")
+    with pytest.raises(dcp.api.CheckpointException) as info:
+        dcp.load(dict(state), storage_reader=ShardReader(path, share_metadata=True), planner=ShardLoadPlanner())
+    assert "has per-rank metadata (__" in str(info.value) and "each rank loads alone" in str(info.value)
+
+
+@pytest.mark.mp
+def test_stock_per_rank_metadata_checkpoint_loads(tmp_path, capsys):
+    run_job(per_rank_metadata_job, 2, str(tmp_path))
+    assert cli(["inspect", str(tmp_path)]) == 2
+    assert "__0.metadata, ... are per-rank metadata of dcp.save(use_collectives=False)" in capsys.readouterr().err
