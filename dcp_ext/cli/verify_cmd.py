@@ -25,7 +25,8 @@ def main(args: argparse.Namespace) -> int:
     for fault in report.faults:
         print(f"FAULT {fault}")
     for name in report.unreferenced_files:
-        print(f"note: {name} is not referenced by the committed metadata (left by an interrupted save)")
+        print(f"note: {name} is not referenced by the committed metadata (left by an interrupted save, or an "
+              "empty file a stock writer with more threads than items makes; loads never read it)")
     status = "OK" if report.ok else f"FAILED ({len(report.faults)} faults)"
     print(
         f"{status}: {report.path} (save {report.save_id}): {report.items_checked} items in {report.files} files, "

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.torch_record import numel
@@ -49,11 +49,21 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
 
 
 class _StreamingSavePlanner(DefaultSavePlanner):
-    """Resolves each write item by reading it from the source at write time."""
+    """Resolves each write item by reading it from the source at write time, and keeps the
+    source's ``planner_data`` (DCP's flatten mappings: the nesting that stock tools such as
+    ``dcp_to_torch_save`` rebuild; the flat state saved here would record none)."""
 
-    def __init__(self, fetch: Callable[[str], torch.Tensor | io.BytesIO]):
+    def __init__(self, fetch: Callable[[str], torch.Tensor | io.BytesIO], planner_data: Any):
         super().__init__()
         self.fetch = fetch
+        self.source_planner_data = planner_data
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        keys = set(metadata.state_dict_metadata)
+        if isinstance(self.source_planner_data, dict) and set(self.source_planner_data) == keys:
+            metadata.planner_data = self.source_planner_data
+        return plans, metadata
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         return self.fetch(write_item.index.fqn)
@@ -75,7 +85,8 @@ def convert(
     """
     # bytes items are copied as stored, never unpickled here: the reader's check is not needed
     reader = ShardReader(src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True)
-    entries = reader.read_metadata().state_dict_metadata
+    metadata = reader.read_metadata()
+    entries = metadata.state_dict_metadata
     _check_destination(reader.location, Location(dst, storage_options))
     sizes = {
         fqn: numel(md.size) * md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 0
@@ -106,5 +117,5 @@ def convert(
         for fqn, md in entries.items()
     }
     writer = ShardWriter(dst, thread_count=1, storage_options=storage_options, overwrite=overwrite)
-    dcp.save(plan_state, storage_writer=writer, planner=_StreamingSavePlanner(fetch))
+    dcp.save(plan_state, storage_writer=writer, planner=_StreamingSavePlanner(fetch, metadata.planner_data))
     return ConvertReport(len(entries), total)

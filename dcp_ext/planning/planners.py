@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
-from dcp_ext.formats.replica_copy import ReplicaCopyIndex
+from dcp_ext.formats.replica_copy import FILES_REPLICA_COPIES, ReplicaCopyIndex
 from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
@@ -136,6 +136,12 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         return cached, first_senders(digests, held_tables())
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if self.replica_locality and any(plan.storage_data != FILES_REPLICA_COPIES for plan in all_plans):
+            raise InvalidRequestError(
+                "ShardSavePlanner(replica_locality=True) needs ShardWriter, which files the TP-replica copies in "
+                "its index; another storage writer would record them in .metadata, where stock readers cannot "
+                "read them. Save with ShardWriter, or leave replica_locality off"
+            )
         plans = [_shard_plan(plan, rank) for rank, plan in enumerate(all_plans)]
         if self._agreement is not None and self._agreement.world != len(plans):
             raise InvalidRequestError(

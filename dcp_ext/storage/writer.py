@@ -23,7 +23,7 @@ from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.formats.index import StoredItem, encode_index
-from dcp_ext.formats.replica_copy import ReplicaCopyIndex
+from dcp_ext.formats.replica_copy import FILES_REPLICA_COPIES, ReplicaCopyIndex
 from dcp_ext.formats.torch_record import RecordSink, numel, write_bytes, write_tensor
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.storage.catalog import METADATA_NAME
@@ -176,7 +176,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             raise CheckpointExistsError(
                 f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
             )
-        return plan
+        return dataclasses.replace(plan, storage_data=FILES_REPLICA_COPIES)  # prepare_global_plan replaces it
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         remove_dead_files(self.location)  # no rank writes before the plans go out

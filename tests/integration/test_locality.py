@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -157,3 +159,23 @@ def test_tp_dim_without_replica_locality_is_an_error():
 
     with pytest.raises(InvalidRequestError, match="tp_dim only applies with replica_locality=True"):
         ShardSavePlanner(tp_dim="model")
+
+
+def _locality_with_other_writer(rank: int, world: int, path: str, writer: str) -> str:
+    storage = dcp.FileSystemWriter(path) if writer == "stock" else HuggingFaceStorageWriter(path)
+    try:
+        dcp.save(_state(world), storage_writer=storage, planner=ShardSavePlanner(replica_locality=True))
+    except CheckpointException as exc:
+        return str(next(iter(exc.failures.values()))[0])
+    return "saved"
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("writer", ["stock", "hf"])
+def test_locality_needs_shard_writer(tmp_path, writer):
+    """Another writer recorded the copies in .metadata under dcp_ext's key class (stock
+    readers without dcp_ext could not unpickle it) or wrote them as overlapping chunks:
+    refused in the global plan, before any rank writes."""
+    errors = run_job(_locality_with_other_writer, 2, str(tmp_path), writer)
+    assert all("replica_locality=True) needs ShardWriter" in e for e in errors), errors
+    assert not [n for n in os.listdir(tmp_path) if n.endswith((".distcp", ".safetensors", ".metadata"))]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from dcp_ext import ShardWriter
 from dcp_ext.cli.main import main as cli
 
 from megatron_fixtures import OBJECTS, write_legacy, write_torch_dist, write_zarr
@@ -39,3 +43,17 @@ def test_convert_round_trip_verifies_and_loads(tmp_path, capsys, fmt):
 def test_convert_reports_bad_partition_rule(tmp_path, capsys):
     assert cli(["convert", str(tmp_path), str(tmp_path / "out"), "--partition-dim", "nodim"]) == 2
     assert capsys.readouterr().err.strip() == "error: --partition-dim 'nodim' is not REGEX=DIM (DIM an integer or 'none')"
+
+
+@pytest.mark.parametrize("writer", ["stock", "ours"])
+def test_convert_keeps_the_state_dicts_nesting(tmp_path, writer):
+    """DCP records how it flattened a nested state dict (``Metadata.planner_data``); stock
+    tools rebuild the nesting from it (``_load_state_dict_from_keys``, ``dcp_to_torch_save``).
+    A converted checkpoint recorded none, so they returned dotted keys."""
+    state = {"model": {"layer.weight": torch.randn(4, 3)}, "optim": {"state": {"layer.weight": {"step": 3}}}}
+    storage = dcp.FileSystemWriter(tmp_path / "src") if writer == "stock" else ShardWriter(tmp_path / "src")
+    dcp.save(state, storage_writer=storage, no_dist=True)
+    assert cli(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    got = _load_state_dict_from_keys(checkpoint_id=str(tmp_path / "dst"))
+    assert sorted(got) == ["model", "optim"] and got["optim"] == {"state": {"layer.weight": {"step": 3}}}
+    assert got["model"]["layer.weight"].equal(state["model"]["layer.weight"])
