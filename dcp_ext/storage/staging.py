@@ -41,6 +41,7 @@ the reused buffers already live there. The writer is pickled there without its b
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import os
 import threading
@@ -120,6 +121,23 @@ class Structure:
         return cls(key, on_cuda and torch.cuda.is_available())
 
 
+def own_scalar_copies(staged: Any) -> Any:
+    """``staged`` with a CPU copy of its own for every 0-d DTensor: torch's staging
+    (``_create_cpu_state_dict``) hands such a tensor back itself, so training that changes
+    it while the upload runs changed the checkpoint. ``staged``'s containers are the
+    staging's own, rebuilt or changed in place here."""
+    if isinstance(staged, DTensor) and staged.dim() == 0:
+        return copy.deepcopy(staged) if staged.device.type == "cpu" else staged.to("cpu")
+    if isinstance(staged, dict):
+        for key, value in staged.items():
+            staged[key] = own_scalar_copies(value)
+    elif isinstance(staged, list):
+        staged[:] = [own_scalar_copies(value) for value in staged]
+    elif isinstance(staged, tuple):
+        return tuple(own_scalar_copies(value) for value in staged)
+    return staged
+
+
 class StagingBuffers:
     """CPU copies of a state dict, reused while its structure stays the same.
 
@@ -144,14 +162,14 @@ class StagingBuffers:
         if structure.key != self._key:
             self.release()  # before allocating: never two sets at once
             self.allocations += 1
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=structure.pin_memory)
+            self._buffers = own_scalar_copies(_create_cpu_state_dict(state_dict, pin_memory=structure.pin_memory))
             self._key = structure.key
         return _copy_state_dict(state_dict, self._buffers, type_check=False)
 
     def copy(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         """A CPU copy of ``state_dict`` in new memory, held only by the save it is given to."""
         self.allocations += 1
-        return self._fresh.stage(state_dict)
+        return own_scalar_copies(self._fresh.stage(state_dict))
 
     def release(self) -> None:
         """Drop the buffers (memory is freed once no save holds a staged copy)."""
