@@ -6,7 +6,9 @@ length, where the raw tensor bytes start and a CRC32C of the record. Tensor-leve
 (global shape, properties), the planner's key mapping and the storage meta live in the
 file's key/value metadata as JSON. The index also records the CRC32C and size of the
 ``.metadata`` bytes it was written with, so a reader can tell whether the two belong to
-the same commit before trusting the index.
+the same commit before trusting the index. A commit moves the live index to
+``.dcp_ext_index.prev.parquet`` before it puts the new one in place, so the ``.metadata``
+still live until the commit point keeps an index that records it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from dcp_ext.formats.index_checks import INT64_MAX, KeyChecks, KeyGroups, chunk_
 from dcp_ext.runtime.gc_pause import gc_paused
 
 INDEX_NAME = ".dcp_ext_index.parquet"
+# the live index, set aside by a commit until the new .metadata is in place (dcp_ext.storage.commit)
+PREVIOUS_INDEX_NAME = ".dcp_ext_index.prev.parquet"
 INDEX_FORMAT = "dcp_ext-index/1"
 _META_KEY = b"dcp_ext"
 

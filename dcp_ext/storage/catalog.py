@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.data_files import rank_prefix
-from dcp_ext.formats.index import INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
+from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, contiguous_strides, numel
@@ -53,6 +53,7 @@ class Catalog:
     format: str = "dcp"  # "safetensors": no checksums recorded (see safetensors_catalog)
     fingerprint: int = 0  # CRC32C of the metadata as stored: tells one checkpoint from another
     inline: dict[MetadataIndex, bytes] = field(default_factory=dict)  # bytes items a format synthesizes (no I/O)
+    index_name: str | None = None  # the file our index came from: INDEX_NAME, or PREVIOUS_INDEX_NAME mid-commit
     cache_key: Any = None  # the metadata cache entry it came from (set by MetadataCache.open)
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
@@ -332,16 +333,19 @@ def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
     ``.metadata`` must then also commit the index bytes, else the index is corrupt. ``Catalog.committed`` is False when our index vouches for
     ``.metadata`` but no marker commits it: a save into a store without atomic rename
     was interrupted or is running (checkpoints without our index are stock: committed).
+    Where our index is missing or records another ``.metadata`` beside a commit marker (a
+    commit between setting the live index aside and its commit point, running or killed),
+    the set-aside index is read too: the one read that a load pays only then.
     """
     source = f"{location.url}/{METADATA_NAME}"
-    index_bytes = inputs.index_bytes
-    decoded: IndexedCheckpoint | CorruptCheckpointError | None = None
-    if index_bytes is not None:  # while .metadata streams through its CRC (CatalogInputs)
-        try:
-            decoded = decode_index(index_bytes, f"{location.url}/{INDEX_NAME}")
-        except CorruptCheckpointError as exc:
-            decoded = exc
+    index_name, index_bytes = INDEX_NAME, inputs.index_bytes
+    decoded = _decoded_index(location, index_name, index_bytes)  # while .metadata streams through its CRC (CatalogInputs)
     metadata_file = inputs.metadata_file
+    if inputs.marker_bytes is not None and not isinstance(decoded, CorruptCheckpointError) and not _records(decoded, metadata_file):
+        previous = _read_optional(location, PREVIOUS_INDEX_NAME)
+        set_aside = _decoded_index(location, PREVIOUS_INDEX_NAME, previous)
+        if _records(set_aside, metadata_file):
+            index_name, index_bytes, decoded = PREVIOUS_INDEX_NAME, previous, set_aside
     marker = None
     if inputs.marker_bytes is not None:
         with contextlib.suppress(CorruptCheckpointError):  # a torn marker commits nothing
@@ -352,30 +356,46 @@ def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
         """A marker that commits this ``.metadata`` must commit these index bytes too."""
         if marked and not marker.commits_index(index_bytes):
             raise CorruptCheckpointError(
-                f"{location.url}/{INDEX_NAME}: index bytes differ from what the commit marker recorded "
-                f"(corrupt); delete {INDEX_NAME} to load from {METADATA_NAME} alone"
+                f"{location.url}/{index_name}: index bytes differ from what the commit marker recorded "
+                f"(corrupt); delete {index_name} to load from {METADATA_NAME} alone"
             )
 
     if isinstance(decoded, CorruptCheckpointError):
         check_committed()
         raise decoded
     indexed = None
-    if decoded is not None and (decoded.metadata_size, decoded.metadata_crc32c) == metadata_file.facts:
+    if _records(decoded, metadata_file):
         check_committed()
         indexed = decoded
     if indexed is not None and indexed.metadata is not None:  # decode_index checked its own rows
         metadata, items = indexed.metadata, indexed.items
         return Catalog(location.url, metadata, items, True, marked, inputs.signature, indexed.copies,
-                       fingerprint=metadata_file.facts[1])
+                       fingerprint=metadata_file.facts[1], index_name=index_name)
     metadata = load_metadata_pickle(metadata_file.contents(location), source)
     return _checked_catalog(
-        location, metadata, source, inputs.signature, metadata_file.facts[1], indexed, marked or indexed is None
+        location, metadata, source, inputs.signature, metadata_file.facts[1], indexed, marked or indexed is None,
+        index_name if indexed is not None else None,
     )
+
+
+def _decoded_index(location: Location, name: str, data: bytes | None) -> IndexedCheckpoint | CorruptCheckpointError | None:
+    """Index bytes decoded, or the corruption they hold (raised only if they are the index to use)."""
+    if data is None:
+        return None
+    try:
+        return decode_index(data, f"{location.url}/{name}")
+    except CorruptCheckpointError as exc:
+        return exc
+
+
+def _records(decoded: IndexedCheckpoint | CorruptCheckpointError | None, metadata_file: _MetadataFile) -> bool:
+    """Whether a decoded index was written with this ``.metadata`` (its size and CRC32C)."""
+    return isinstance(decoded, IndexedCheckpoint) and (decoded.metadata_size, decoded.metadata_crc32c) == metadata_file.facts
 
 
 def _checked_catalog(
     location: Location, metadata: Metadata, source: str, signature: tuple[Any, ...], fingerprint: int,
-    indexed: IndexedCheckpoint | None = None, committed: bool = True,
+    indexed: IndexedCheckpoint | None = None, committed: bool = True, index_name: str | None = None,
 ) -> Catalog:
     """The catalog of an unpickled ``.metadata`` (items from the index that records it, or
     from its ``storage_data``), checked against each other."""
@@ -384,7 +404,7 @@ def _checked_catalog(
         copies = indexed.copies if indexed is not None else {}
         check_metadata(metadata, items, source, copies)
         return Catalog(location.url, metadata, items, indexed is not None, committed, signature, copies,
-                       fingerprint=fingerprint)
+                       fingerprint=fingerprint, index_name=index_name)
     except CheckpointError:
         raise
     except Exception as exc:  # untrusted structure: whatever validation trips over is corruption

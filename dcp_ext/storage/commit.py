@@ -9,6 +9,17 @@ no atomic rename, so there the three are written directly, the marker last: ther
 marker is the commit point (see ``dcp_ext.formats.marker``). Only after the commit are
 data files no longer referenced removed.
 
+The new index lands before ``.metadata``, so the live index is first moved to a second
+slot (``PREVIOUS_INDEX_NAME``): until the commit point the old ``.metadata`` keeps an
+index that records it (readers consult that slot when the index does not record
+``.metadata``), and a crash in between costs no checksums. The commit retires the slot
+with the old data files; the next save puts a slot a dead commit left back, or drops it.
+
+Before its commit point a save checks, with one listing, that every data file it
+references is still there: a second job saving into the same directory removes the
+first one's files as a dead save's, and publishing ``.metadata`` over them would lose
+every checkpoint of the directory.
+
 A save that fails removes what it wrote: its data files carry its token
 (``__{rank}_{token}_{n}.distcp``) and no committed metadata ever references a token whose
 save did not commit, so ``discard_save`` can delete them on any rank. Before a save writes,
@@ -27,7 +38,7 @@ from collections.abc import Callable
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.data_files import is_data_file, save_token
-from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
@@ -42,10 +53,11 @@ def commit(
     save_id: str,
     metadata_bytes: bytes,
     index_bytes: bytes,
+    referenced: set[str],
     sync: bool,
     at_commit_point: Callable[[], None] = lambda: None,
 ) -> None:
-    """Publish a checkpoint whose data files are already written (and synced).
+    """Publish a checkpoint whose data files (``referenced``) are already written (and synced).
 
     ``at_commit_point`` runs once ``.metadata`` may reference the new data files: from
     then on a failure must not remove them (before it, ``discard_save`` removes them and
@@ -60,6 +72,8 @@ def commit(
 
     if not location.is_local:
         crash_point("before-commit")
+        require_files(location, referenced)
+        set_index_aside(location)
         location.write_bytes(INDEX_NAME, index_bytes, sync)
         crash_point("after-index")
         at_commit_point()  # an unmarked .metadata still loads with require_commit_marker=False
@@ -74,6 +88,8 @@ def commit(
     if sync:
         location.sync_directory()  # data file and temp names are durable before the switch
     crash_point("before-commit")
+    require_files(location, referenced)
+    set_index_aside(location)
     location.replace(temps[INDEX_NAME], INDEX_NAME)
     crash_point("after-index")
     at_commit_point()
@@ -82,6 +98,26 @@ def commit(
     location.replace(temps[MARKER_NAME], MARKER_NAME)
     if sync:
         location.sync_directory()
+
+
+def require_files(location: Location, referenced: set[str]) -> None:
+    """Refuse to commit when a data file of this save is gone (one listing, on object
+    stores too): another job saving into this directory took them for a dead save's."""
+    missing = sorted(referenced - set(location.listdir()))
+    if missing:
+        raise CheckpointError(
+            f"{location.url}: {len(missing)} data file(s) of this save were removed while it ran "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): another save into this directory "
+            "removed them, so two jobs are saving here; this save is not committed (the directory keeps the "
+            "checkpoint committed there)"
+        )
+
+
+def set_index_aside(location: Location) -> None:
+    """Move the live index to its second slot: the live ``.metadata`` needs it until the
+    commit point (``remove_dead_files`` made sure the index is the live one)."""
+    with contextlib.suppress(FileNotFoundError):  # no index yet (a first save, a stock checkpoint)
+        location.replace(INDEX_NAME, PREVIOUS_INDEX_NAME)
 
 
 def temp_name(name: str, save_id: str) -> str:
@@ -103,39 +139,51 @@ def discard_save(location: Location, token: str, save_id: str = "", remove_dir: 
 
 def remove_dead_files(location: Location) -> list[str]:
     """Before a save writes: remove temp files, and data files of ours that the committed
-    checkpoint does not reference (dead saves' leftovers), so they cannot fill the disk.
+    checkpoint does not reference (dead saves' leftovers), so they cannot fill the disk;
+    settle an index a dead commit set aside: back in place if ``.metadata`` still needs it
+    (the commit died before its commit point), else dropped.
 
-    Cheap in the usual case: data files of one save beside a ``.metadata`` are taken to be
-    the live checkpoint's; only other mixes read the committed metadata.
+    Cheap in the usual case: data files of one save beside a ``.metadata``, and no index
+    set aside, are taken to be the live checkpoint's; only other states read the committed
+    metadata.
     """
     names = location.listdir()
     dead = [name for name in names if TEMP_FILE.match(name)]
     tokens = {save_token(name) for name in names} - {None}
-    if len(tokens) > 1 or (tokens and METADATA_NAME not in names):
-        live = live_files(location)
+    if len(tokens) > 1 or (tokens and METADATA_NAME not in names) or PREVIOUS_INDEX_NAME in names:
+        live = live_checkpoint(location)
         if live is not None:
-            dead += [name for name in names if save_token(name) and name not in live]
+            files, index_name = live
+            dead += [name for name in names if save_token(name) and name not in files]
+            if index_name == PREVIOUS_INDEX_NAME:
+                with contextlib.suppress(OSError):
+                    location.replace(PREVIOUS_INDEX_NAME, INDEX_NAME)
+            elif PREVIOUS_INDEX_NAME in names:
+                dead.append(PREVIOUS_INDEX_NAME)
     for name in dead:
         with contextlib.suppress(OSError):  # opportunistic: never fails the save
             location.remove(name)
     return dead
 
 
-def live_files(location: Location) -> set[str] | None:
-    """The data files the committed checkpoint references; None when that cannot be told."""
+def live_checkpoint(location: Location) -> tuple[set[str], str | None] | None:
+    """The data files the committed checkpoint references and the file its index came
+    from (``Catalog.index_name``); None when that cannot be told."""
     if not location.exists(METADATA_NAME):
-        return set()
+        return set(), None
     try:
-        return read_catalog(location).files()
+        catalog = read_catalog(location)
     except (CheckpointError, OSError):
         return None
+    return catalog.files(), catalog.index_name
 
 
 def remove_unreferenced(location: Location, referenced: set[str]) -> list[str]:
-    """Delete data and temp files that the committed metadata does not reference."""
+    """Delete data and temp files that the committed metadata does not reference, and the
+    index set aside for the ``.metadata`` the commit replaced."""
     removed = []
     for name in location.listdir():
-        if (is_data_file(name) and name not in referenced) or TEMP_FILE.match(name):
+        if (is_data_file(name) and name not in referenced) or TEMP_FILE.match(name) or name == PREVIOUS_INDEX_NAME:
             location.remove(name)
             removed.append(name)
             crash_point("mid-cleanup")

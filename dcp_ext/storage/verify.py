@@ -154,8 +154,11 @@ def _check_item(  # noqa: ANN001
             layout = catalog.parse_layout(location, index)  # the index does not keep the zip CRC
         except (CheckpointError, OSError) as exc:
             return str(exc), True
-        if layout.payload_crc32 is None:
-            return None, False  # written without zip CRCs (ours, its CRC32C in an index not read here)
+        if layout.payload_crc32 is None:  # what a verified load refuses too: nothing vouches for these bytes
+            return (
+                "record carries no checksum: written by dcp_ext without zip CRC-32s, its CRC32C is in the "
+                "checkpoint's index, missing or stale here (restore the index or save again)"
+            ), False
         value = _stream_crc(reader, item.offset + layout.payload_offset, layout.payload_nbytes, zlib.crc32)
         expected, algorithm = layout.payload_crc32, "crc32"
     else:

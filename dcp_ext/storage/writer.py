@@ -218,7 +218,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             with self.clock.phase("metadata"):
                 metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
             with self.clock.phase("commit"):
-                commit(self.location, self.save_id, metadata_bytes, index_bytes, self.sync_files,
+                commit(self.location, self.save_id, metadata_bytes, index_bytes, referenced, self.sync_files,
                        at_commit_point=lambda: OPEN_SAVES.committed(token))
                 remove_unreferenced(self.location, referenced)
         self._publish(metadata_bytes=len(metadata_bytes) + len(index_bytes))

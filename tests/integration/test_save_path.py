@@ -147,7 +147,8 @@ def test_records_are_torch_saves_with_one_checksum(tmp_path, checksums):
 def test_records_read_without_their_index(tmp_path):
     """Without the index (deleted, or copied without hidden files) a checkpoint reads from
     .metadata: a load is bit-exact, a verified load of records whose only checksum was in
-    the index is refused by name, and ``checksums=False`` records verify by zip CRC-32."""
+    the index is refused by name and ``dcp-ext verify`` fails on each such record (it
+    said OK, having checked no checksum), and ``checksums=False`` records verify by zip CRC-32."""
     state = _record_state()
     want = {k: v.detach().resolve_conj() for k, v in state.items()}
     save(state, tmp_path / "crc32c")
@@ -157,7 +158,9 @@ def test_records_read_without_their_index(tmp_path):
     error = load_error(state, tmp_path / "crc32c", cache_metadata=False, verify_checksums=True)
     assert isinstance(error, InvalidRequestError) and "verify_checksums=True" in str(error) and "no checksum" in str(error)
     report = verify_checkpoint(str(tmp_path / "crc32c"))
-    assert report.ok and not report.indexed and report.items_without_checksum == len(state), report
+    assert not report.indexed and report.items_without_checksum == len(state), report
+    assert sorted(fault.split("'")[1] for fault in report.faults) == sorted(state)
+    assert all("record carries no checksum" in fault and "index, missing or stale" in fault for fault in report.faults)
 
     save(state, tmp_path / "zip", checksums=False)
     (tmp_path / "zip" / INDEX_NAME).unlink()

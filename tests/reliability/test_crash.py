@@ -4,7 +4,8 @@ Exact kill points come from the ``DCP_EXT_CRASH_AT`` hook (``dcp_ext.storage.com
 the chosen rank of a real gloo job SIGKILLs itself when the save reaches a phase.
 Timed kills of a process saving in a loop cover the moments between the hooks. After
 every kill: the directory holds the old checkpoint (phases before the commit point) or
-the complete new one (after it), never a mix; ``verify_checkpoint`` passes and names
+the complete new one (after it), never a mix, and loads with ``verify_checksums=True``
+(every record's CRC32C found in an index); ``verify_checkpoint`` passes and names
 which save it is; and a fresh save into the same directory succeeds and cleans up.
 A save that fails while it is planned (a replica mismatch) leaves no ``step{N}``
 directory behind once the next save through the writer, or its ``close()``, ran.
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.data_files import is_data_file
-from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.runtime.crash import CRASH_ENV
 from dcp_ext.storage.verify import verify_checkpoint
@@ -82,10 +83,12 @@ def check_after_crash(path, expect: str, old_id: str | None) -> None:
         with pytest.raises(CheckpointError, match="no committed checkpoint"):
             ShardReader(path, cache_metadata=False).read_metadata()
     else:
-        assert report.ok, report.faults
+        assert report.ok and report.items_without_checksum == 0, report
         want = crash_state(1 if expect == "old" else 2)
         assert (report.save_id == old_id) == (expect == "old")
         assert_state_dict_equal(load(want, path, cache_metadata=False)[0], want)
+        # checksums included: a save killed after replacing the index left the old .metadata without them
+        assert_state_dict_equal(load(want, path, cache_metadata=False, verify_checksums=True)[0], want)
     fresh = crash_state(3)
     save(fresh, path, thread_count=2)
     assert_state_dict_equal(load(fresh, path, cache_metadata=False)[0], fresh)
@@ -124,6 +127,19 @@ def test_sigkill_at_each_phase(tmp_path, world, phase, existing):
 def test_sigkill_during_async_save_background_write(tmp_path, phase):
     """The kill lands in async_save's background thread, after staging returned."""
     crash_case(tmp_path / "ckpt", 1, phase, existing=True, use_async=True)
+
+
+def test_commits_killed_twice_before_the_commit_point_keep_the_checksums(tmp_path):
+    """The second dead commit must not set the dead index of the first aside over the one
+    the live ``.metadata`` needs: the next save puts that one back first."""
+    path = tmp_path / "ckpt"
+    run_job(save_job, 1, str(path), 1, None, 0, False)
+    old_id = save_id(path)
+    for phase in ("after-index", "after-index"):
+        with pytest.raises(WorkerError, match="SIGKILL"):
+            run_job(save_job, 1, str(path), 2, phase, 0, False)
+        assert PREVIOUS_INDEX_NAME in os.listdir(path)
+    check_after_crash(path, "old", old_id)
 
 
 def test_verify_cli_tells_old_from_new_after_a_crash(tmp_path):

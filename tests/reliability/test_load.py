@@ -6,6 +6,7 @@ high-water mark reset through ``/proc/self/clear_refs`` before the measured step
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import json
 import multiprocessing as mp
@@ -13,11 +14,15 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_ext import CheckpointError, ShardReader
+from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.storage.verify import verify_checkpoint
 
 from mp import run_job
 from support import assert_state_dict_equal, load, rss_bytes, save
@@ -75,7 +80,7 @@ def test_reader_loading_while_a_writer_commits_gets_old_or_new_whole(tmp_path):
     try:
         while writer.is_alive() or not outcomes["whole"]:
             try:
-                got, _ = load(seeded_state(0), tmp_path)
+                got, _ = load(seeded_state(0), tmp_path, verify_checksums=True)
             except BaseException as exc:
                 error = next(iter(exc.failures.values()))[0] if hasattr(exc, "failures") else exc
                 assert isinstance(error, CheckpointError) and "load again" in str(error), error
@@ -90,6 +95,59 @@ def test_reader_loading_while_a_writer_commits_gets_old_or_new_whole(tmp_path):
     assert writer.exitcode == 0
     assert outcomes["whole"] >= 1 and len(seeds_seen) >= 2, (outcomes, seeds_seen)
     print(f"reader vs writer: {outcomes}, {len(seeds_seen)} distinct checkpoints loaded")
+
+
+class _PausingPlanner(ShardSavePlanner):
+    """Pauses a save after its first record (announcing it with file ``paused``) until
+    file ``resume`` exists: a job that keeps saving while another saves into its directory."""
+
+    def __init__(self, paused: str, resume: str) -> None:
+        super().__init__()
+        self.paused, self.resume, self.records = paused, resume, 0
+
+    def resolve_data(self, write_item):  # noqa: ANN001, ANN201
+        self.records += 1
+        if self.records == 2:
+            open(self.paused, "w").close()
+            while not os.path.exists(self.resume):
+                time.sleep(0.01)
+        return super().resolve_data(write_item)
+
+
+def _save_paused(path: str, seed: int, paused: str, resume: str) -> str:
+    """Save ``seeded_state(seed)`` pausing mid-write; the error it ended with ("" for success)."""
+    writer = ShardWriter(path, thread_count=1)  # one file: the pause falls between two of its records
+    try:
+        dcp.save(seeded_state(seed), storage_writer=writer, planner=_PausingPlanner(paused, resume))
+    except BaseException as exc:
+        error = next(iter(exc.failures.values()))[0] if hasattr(exc, "failures") else exc
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+@pytest.mark.mp
+def test_a_save_whose_files_another_job_removed_fails_and_the_other_stays(tmp_path):
+    """Two jobs saving into one directory (a zombie outliving its restart): the other job's
+    save removed the paused save's files as a dead save's. Before, the paused save then
+    committed a ``.metadata`` over missing files and both reported success: every
+    checkpoint of the directory was lost."""
+    path, paused, resume = tmp_path / "ckpt", str(tmp_path / "paused"), str(tmp_path / "resume")
+    save(seeded_state(1), path)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("forkserver")) as pool:
+        zombie = pool.submit(_save_paused, str(path), 2, paused, resume)
+        while not os.path.exists(paused):
+            assert not zombie.done(), zombie.result()
+            time.sleep(0.01)
+        save(seeded_state(3), path)  # the restarted job, in this process
+        open(resume, "w").close()
+        error = zombie.result(timeout=120)
+    assert error.startswith("CheckpointError: ") and "removed while it ran" in error, error
+    assert "another save into this directory removed them, so two jobs are saving here" in error
+    got, reader = load(seeded_state(0), path, cache_metadata=False, verify_checksums=True)
+    assert_state_dict_equal(got, seeded_state(3))
+    data_files = {name for name in os.listdir(path) if name.endswith((".distcp", ".tmp", ".parquet"))}
+    assert data_files == {item.relative_path for item in reader.catalog.items.values()} | {INDEX_NAME}
+    assert verify_checkpoint(str(path)).ok
 
 
 # -- load ----------------------------------------------------------------------------------

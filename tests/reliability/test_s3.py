@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.formats.index import PREVIOUS_INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.runtime.crash import CRASH_ENV
 from dcp_ext.storage.verify import verify_checkpoint
@@ -175,8 +176,9 @@ def test_client_killed_mid_commit_on_s3(s3, url, phase, outcome):
     save(old, url, storage_options=s3.options)
     with pytest.raises(WorkerError, match="SIGKILL"):
         run_job(_crashing_save_job, 1, url, s3.options, 2, phase)
-    if outcome == "old":
-        assert_state_dict_equal(load(old, url, storage_options=s3.options, cache_metadata=False)[0], old)
+    if outcome == "old":  # checksums included: the index the old .metadata needs was set aside, not overwritten
+        assert_state_dict_equal(load(old, url, storage_options=s3.options, cache_metadata=False, verify_checksums=True)[0], old)
+        assert verify_checkpoint(url, storage_options=s3.options).ok
     else:
         with pytest.raises(CheckpointError, match="not committed"):
             ShardReader(url, storage_options=s3.options, cache_metadata=False).read_metadata()
@@ -185,6 +187,7 @@ def test_client_killed_mid_commit_on_s3(s3, url, phase, outcome):
     fresh = sample_state(3)
     save(fresh, url, storage_options=s3.options)
     assert_state_dict_equal(load(fresh, url, storage_options=s3.options, cache_metadata=False)[0], fresh)
+    assert PREVIOUS_INDEX_NAME not in {os.path.basename(p) for p in s3.fs().ls(url)}  # retired by the commit
 
 
 def _big_state(seed: int) -> dict:
