@@ -44,8 +44,3 @@ class ReplicaCopyIndex(MetadataIndex):
         """The plain key of the chunk this copies, as ``.metadata`` and our index name it."""
         return MetadataIndex(self.fqn, self.offset, self.index)
 
-
-# What ShardWriter puts in each local plan's ``storage_data``: it files copies in its index.
-# Any other writer would record them in ``.metadata`` under this module's class, which stock
-# readers cannot unpickle, so the planner refuses replica locality without it.
-FILES_REPLICA_COPIES = "dcp_ext: files TP-replica copies"

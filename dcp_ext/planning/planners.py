@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
-from dcp_ext.formats.replica_copy import FILES_REPLICA_COPIES, ReplicaCopyIndex
+from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
@@ -42,6 +42,7 @@ from dcp_ext.planning.replica_check import chunk_digest, chunk_digest_rows
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
 from dcp_ext.storage.piece_digests import PieceDigest
+from dcp_ext.storage.writer import SaveOrder
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
@@ -136,7 +137,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         return cached, first_senders(digests, held_tables())
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if self.replica_locality and any(plan.storage_data != FILES_REPLICA_COPIES for plan in all_plans):
+        if self.replica_locality and not all(isinstance(plan.storage_data, SaveOrder) for plan in all_plans):
             raise InvalidRequestError(
                 "ShardSavePlanner(replica_locality=True) needs ShardWriter, which files the TP-replica copies in "
                 "its index; another storage writer would record them in .metadata, where stock readers cannot "
@@ -162,7 +163,10 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         elif self.check_replicas:
             self._check_cached(result, plans)
         self.last_global_plan = result
-        self.global_plan = [SavePlan(items=[], planner_data=a) for a in result.assignments]
+        # the storage writer's data of each local plan goes back to it, as DefaultSavePlanner keeps it
+        self.global_plan = [
+            SavePlan(items=[], planner_data=a, storage_data=plan.storage_data) for a, plan in zip(result.assignments, plans)
+        ]
         self.metadata = dataclasses.replace(result.metadata)  # the writer fills in storage data
         return self.global_plan, self.metadata
 

@@ -6,14 +6,18 @@ failure anywhere is raised from ``dcp.save`` on every rank without another write
 The writer's own view of a save therefore ends in one of two ways: it passes its commit
 point, or the thread that ran it leaves ``dcp.save``. This module watches the second.
 
-* ``SaveSlot``: one save at a time through a writer, whichever stager staged it. With DCP's
-  thread executor every ``dcp.async_save`` runs ``dcp.save`` on a new thread, so an
-  explicit ``async_stager`` lets saves through one writer overlap and clobber its per-save
-  state (directory, save id), writing into each other's directories. A save waits where
-  it begins (``reset``, ``set_up_storage_writer``), before its first collective, until
-  the thread of the previous save left ``dcp.save`` (so that save's collectives, the
-  result broadcast included, are all done on this rank). Waiting saves go in the order
-  they reached the writer.
+* ``SaveSlot``: one save at a time through a writer, in call order. With DCP's thread
+  executor every ``dcp.async_save`` runs ``dcp.save`` on a new thread, so saves through one
+  writer not awaited in between overlap and would clobber its per-save state (directory,
+  save id), writing into each other's directories. A save waits where it begins (``reset``,
+  ``storage_meta``, ``set_up_storage_writer``), before its first collective, until its turn
+  comes and the thread of the previous save left ``dcp.save`` (so that save's collectives,
+  the result broadcast included, are all done on this rank). Turns follow the calls: a
+  save the writer stages takes its turn in ``stage``, on the caller's thread (``issue``),
+  so every rank runs its k-th call as its k-th save and the ranks pair the same saves,
+  however their upload threads are scheduled; any other save (a plain ``dcp.save``, one
+  staged by another stager) takes its turn when it reaches the writer. Each turn has a
+  number, which the ranks compare in the plan exchange (``ShardWriter``).
 * ``OPEN_SAVES``: saves a coordinator planned but has not committed, process-wide. Once
   the thread that ran one has left ``dcp.save`` it failed; the next save (through any
   writer) or ``ShardWriter.close()`` removes its files from its directory, including
@@ -25,12 +29,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import logging
 import sys
 import threading
 import time
+import types
+from collections.abc import Iterator
 
 from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_ext.storage.commit import discard_save
 from dcp_ext.storage.location import Location
@@ -38,12 +46,16 @@ from dcp_ext.storage.location import Location
 log = logging.getLogger("dcp_ext")
 
 POLL_SECONDS = 0.01
+# a save the writer staged whose upload thread has not reached the writer this long after the
+# call (its thread could not start, or it failed first) no longer holds later saves back
+UNCLAIMED_TURN_SECONDS = 60.0
 _SAVE_FUNCTIONS = ("save", "save_state_dict", "_save_state_dict")  # whichever this torch has
 _SAVE_CODES = frozenset(
     inspect.unwrap(fn).__code__
     for fn in (getattr(state_dict_saver, name, None) for name in _SAVE_FUNCTIONS)
     if fn is not None
 )
+_ASYNC_SAVE_CODE = inspect.unwrap(state_dict_saver.async_save).__code__
 
 
 def thread_in_save(ident: int | None) -> bool:
@@ -56,51 +68,110 @@ def thread_in_save(ident: int | None) -> bool:
     return False
 
 
+def _own_frames(code: frozenset[types.CodeType]) -> Iterator[types.FrameType]:
+    """The calling thread's frames running one of ``code``, innermost first."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in code:
+            yield frame
+        frame = frame.f_back
+
+
+def uploads_on_a_thread() -> bool:
+    """Whether the caller is inside ``dcp.async_save`` with DCP's thread executor: its upload
+    then runs ``dcp.save`` on a thread of this process, which will come for a turn."""
+    return any(
+        frame.f_locals.get("async_checkpointer_type") == AsyncCheckpointerType.THREAD
+        for frame in _own_frames(frozenset([_ASYNC_SAVE_CODE]))
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class Turn:
+    """One save's place in a writer's order."""
+
+    number: int  # the save's position among the saves through the writer on this rank
+    staged: object = None  # a save the writer staged: its staged state dict, until its thread comes
+    thread: threading.Thread | None = None  # the thread running the save, once it came
+    set_up: bool = False  # the save passed its last begin call: the thread's next one is a new save
+    issued: float = dataclasses.field(default_factory=time.monotonic)
+
+    def over(self) -> bool:
+        """The save left ``dcp.save`` (or its thread never came and no longer will be waited for)."""
+        if self.thread is None:
+            return time.monotonic() - self.issued > UNCLAIMED_TURN_SECONDS
+        return not (self.thread.is_alive() and thread_in_save(self.thread.ident))
+
+
 class SaveSlot:
-    """Admits one ``dcp.save`` at a time; see the module docstring."""
+    """Admits one ``dcp.save`` at a time, in turn order; see the module docstring."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holder: int | None = None  # the thread of the last save admitted
-        self._queue: list[int] = []  # threads waiting, in arrival order
+        self._numbers = itertools.count()
+        self._waiting: list[Turn] = []  # in turn order
+        self._holder: Turn | None = None  # the save admitted last
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return SaveSlot, ()  # a pickled writer (process executor) starts with a free slot
 
-    def enter(self) -> None:
-        """Wait until no other thread runs a save through this writer, then hold the slot.
+    def issue(self, staged: object) -> None:
+        """Give the save whose state dict was just staged, on the caller's thread, the next turn."""
+        with self._lock:
+            self._waiting.append(Turn(next(self._numbers), staged=staged))
+
+    def enter(self, set_up: bool) -> int | None:
+        """Wait for this save's turn and hold the slot; the save's number, or None when this
+        thread holds the slot already (a later begin call of the same save: ``reset``, then
+        ``storage_meta``, then ``set_up_storage_writer``, which passes ``set_up=True``).
 
         Called outside ``dcp.save`` (a writer driven by hand) it neither waits nor holds.
         """
-        me = threading.get_ident()
-        if not thread_in_save(me):
-            return
+        me = threading.current_thread()
+        if not thread_in_save(me.ident):
+            with self._lock:
+                return next(self._numbers)
         with self._lock:
-            if self._holder != me and me not in self._queue:
-                self._queue.append(me)
-        while not self._take(me):
+            if self._holder is not None and self._holder.thread is me and not self._holder.set_up:
+                self._holder.set_up = set_up
+                return None
+            turn = self._claim(me)
+        while not self._take(turn):
             time.sleep(POLL_SECONDS)
+        turn.set_up = set_up
+        return turn.number
 
     def wait_idle(self) -> None:
         """Wait until the save holding the slot (on another thread) has ended."""
-        while self._busy(threading.get_ident()):
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                holder = self._holder
+            if holder is None or holder.thread is me or holder.over():
+                return
             time.sleep(POLL_SECONDS)
 
-    def _busy(self, me: int) -> bool:
-        with self._lock:
-            return self._holder not in (None, me) and thread_in_save(self._holder)
+    def _claim(self, me: threading.Thread) -> Turn:
+        """The turn issued for the state dict this thread saves, or a new one at the end."""
+        saving = [frame.f_locals.get("state_dict") for frame in _own_frames(_SAVE_CODES)]
+        for turn in self._waiting:
+            if turn.thread is None and any(turn.staged is state_dict for state_dict in saving):
+                turn.thread, turn.staged = me, None
+                return turn
+        turn = Turn(next(self._numbers), thread=me)
+        self._waiting.append(turn)
+        return turn
 
-    def _take(self, me: int) -> bool:
+    def _take(self, turn: Turn) -> bool:
         with self._lock:
-            if self._holder == me:  # reset and set_up_storage_writer of one save
-                return True
-            if self._holder is not None and thread_in_save(self._holder):
+            holder = self._holder  # a previous save of this thread is over: one thread, one save at a time
+            if holder is not None and holder.thread is not turn.thread and not holder.over():
                 return False
-            self._queue = [t for t in self._queue if t == me or thread_in_save(t)]
-            if self._queue[0] != me:
+            while self._waiting[0] is not turn and self._waiting[0].over():
+                self._waiting.pop(0)
+            if self._waiting[0] is not turn:
                 return False
-            self._queue.pop(0)
-            self._holder = me
+            self._holder = self._waiting.pop(0)
             return True
 
 

@@ -6,13 +6,14 @@ import dataclasses
 import importlib.util
 import os
 import pickle
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import crc32c
 from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -23,7 +24,7 @@ from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.formats.index import StoredItem, encode_index
-from dcp_ext.formats.replica_copy import FILES_REPLICA_COPIES, ReplicaCopyIndex
+from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.torch_record import RecordSink, numel, write_bytes, write_tensor
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.storage.catalog import METADATA_NAME
@@ -32,7 +33,9 @@ from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreference
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.piece_digests import check_piece_digests, split_piece_digests, with_piece_digests
-from dcp_ext.storage.save_tracking import OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure
+from dcp_ext.storage.save_tracking import (
+    OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure, thread_in_save, uploads_on_a_thread,
+)
 from dcp_ext.storage.staging import AsyncStagingMixin
 from dcp_ext.storage.writeback import early_writeback
 
@@ -49,6 +52,34 @@ class FilePrefix:
 
     def file_name(self, n: int) -> str:
         return data_file_name(self.rank, self.token, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOrder:
+    """What each rank's local plan tells the coordinator about the save it is part of: equal
+    on every rank when the ranks pair the same saves (``SaveSlot`` turns). Its presence also
+    tells ``ShardSavePlanner`` that the writer files TP-replica copies in its index."""
+
+    number: int  # the save's turn among the saves through this rank's writer
+    checkpoint: str
+
+
+def check_same_save(plans: list[SavePlan]) -> None:
+    """Refuse a save whose ranks are each running a different one of their saves.
+
+    Skipped when a planner dropped the local plans' storage data.
+    """
+    orders = [plan.storage_data for plan in plans]
+    if not all(isinstance(order, SaveOrder) for order in orders) or len(set(orders)) == 1:
+        return
+    ranks = "; ".join(f"rank {rank}: its save #{order.number}, into {order.checkpoint}" for rank, order in enumerate(orders))
+    raise CheckpointError(
+        f"{orders[0].checkpoint}: the ranks paired different saves in one dcp.save ({ranks}); nothing was "
+        "written. Saves through one writer not awaited in between run in call order when the writer stages "
+        "them; saves staged by another stager (dcp.async_save(async_stager=...)) run in the order their "
+        "upload threads reach the writer, which can differ between ranks: wait for each one's future "
+        "before the next, or leave async_stager out"
+    )
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -138,18 +169,19 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = False
-        self.slot = SaveSlot()  # one save at a time, whichever stager staged it
+        self.slot = SaveSlot()  # one save at a time, in call order, whichever stager staged it
+        self.save_number = 0  # the running save's turn (``SaveSlot``)
         self._created_dir = False  # coordinator: this save created the directory
         self._token = ""  # coordinator: the running save's data-file token
 
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._begin_save()
+        self._begin_save(set_up=False)
         if checkpoint_id:
             self.location = Location(checkpoint_id, self.storage_options)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._begin_save()
+        self._begin_save(set_up=True)
         self.clock = PhaseClock(SAVE_PHASES)  # a save starts here on every rank
         self.written = []
         self.is_coordinator = is_coordinator
@@ -163,7 +195,9 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             OPEN_SAVES.discard_failed()  # before this save needs the space they hold
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.location.url, save_id=self.save_id)
+        if thread_in_save(threading.get_ident()):  # without a checkpoint_id DCP's first call of a save
+            self._begin_save(set_up=False)
+        return self._storage_meta()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.is_coordinator:  # only it, before any rank writes: it alone knows it created the directory
@@ -176,9 +210,10 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             raise CheckpointExistsError(
                 f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
             )
-        return dataclasses.replace(plan, storage_data=FILES_REPLICA_COPIES)  # prepare_global_plan replaces it
+        return dataclasses.replace(plan, storage_data=SaveOrder(self.save_number, self.location.url))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        check_same_save(plans)
         remove_dead_files(self.location)  # no rank writes before the plans go out
         return [
             dataclasses.replace(p, storage_data=FilePrefix(rank, self._token, self._created_dir))
@@ -223,6 +258,16 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                 remove_unreferenced(self.location, referenced)
         self._publish(metadata_bytes=len(metadata_bytes) + len(index_bytes))
 
+    # -- AsyncStager protocol ---------------------------------------------------------------
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+        """Copy ``state_dict`` to CPU; complete when this returns. Called by ``dcp.async_save``
+        on the caller's thread: the save takes its turn here, in call order (``SaveSlot``),
+        where its upload thread, started next, may reach the writer after a later call's."""
+        staged = super().stage(state_dict)
+        if uploads_on_a_thread():  # the process executor's upload runs on a copy of the writer
+            self.slot.issue(staged)
+        return staged
+
     def close(self) -> None:
         """Wait for the save in flight, free the staging memory and remove the files of saves
         that failed since the last save began (DCP has no failure hook; see ``save_tracking``).
@@ -240,12 +285,17 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # -- helpers -------------------------------------------------------------------------
-    def _begin_save(self) -> None:
-        """Where a save begins on its thread: report a failed async save, wait for the one
-        running, then take a new save id (the commit marker's, never reused)."""
+    def _begin_save(self, set_up: bool) -> None:
+        """Where a save begins on its thread: report a failed async save, wait for its turn,
+        then take a new save id (the commit marker's, never reused)."""
         self.finish_async_save_first()
-        self.slot.enter()
-        self.save_id = uuid.uuid4().hex
+        number = self.slot.enter(set_up)
+        if number is not None:  # None: a later begin call of the same save
+            self.save_number = number
+            self.save_id = uuid.uuid4().hex
+
+    def _storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.location.url, save_id=self.save_id)
 
     def _write_files(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Write this rank's items into up to ``thread_count`` files in parallel."""
@@ -286,7 +336,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                     stored[wr.index] = wr.storage_data
         metadata.version = DCP_METADATA_VERSION
         metadata.storage_data = {index: item.storage_info() for index, item in stored.items()}
-        metadata.storage_meta = self.storage_meta()
+        metadata.storage_meta = self._storage_meta()
         metadata_bytes = pickle.dumps(metadata)
         crc = crc32c.crc32c(metadata_bytes)
         index_bytes = encode_index(metadata, stored, metadata_bytes, crc, copies)

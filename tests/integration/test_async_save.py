@@ -22,6 +22,11 @@
     refusing) is raised at ``.result()`` and again, as CheckpointError, at
     the next save through the writer; the previous checkpoint still loads
     bit-exact and the next good save cleans up the failed save's files;
+* direct ``dcp.async_save`` calls through one writer per rank, none awaited: every rank
+  runs them in call order though one rank's first upload thread reaches the writer late,
+  so each commit holds one step on both ranks, and a failed save lets the later ones run;
+  where the writer cannot know the order (another stager), ranks pairing different
+  saves are refused on every rank before anything is written;
 * DCP's deprecated ``synchronize_staging`` hook is never called;
 * ``dcp.async_save(storage_writer=writer)`` called directly is refused while
   ``reuse_staging=True`` (the writer would not know when its copy is free) and
@@ -30,8 +35,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
+import shutil
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -46,8 +54,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_loc
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -438,6 +447,137 @@ def test_explicit_stager_saves_one_at_a_time(tmp_path, world, async_staging):
     run_job(explicit_stager_job, world, str(tmp_path), async_staging, timeout=90)
 
 
+class LateState(Stateful):
+    """Holds the upload thread of the save it is in back for ``delay`` seconds before that
+    thread reaches the storage writer: DCP turns a top-level ``Stateful`` into its state dict
+    in ``dcp.async_save``'s caller (here: itself, so the staged copy is one too) and again at
+    the start of ``dcp.save`` in the upload thread, before any writer call when no
+    ``checkpoint_id`` is given."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.caller = threading.get_ident()
+
+    def state_dict(self):
+        if threading.get_ident() == self.caller:
+            return self
+        time.sleep(self.delay)
+        return {"late": torch.zeros(4)}
+
+    def load_state_dict(self, state_dict) -> None:
+        raise AssertionError("never loaded")
+
+
+DIRECT_STEPS = 8
+
+
+def direct_saves_in_call_order_job(rank: int, world: int, base: str) -> tuple[list[str], list[int]]:
+    """Direct ``dcp.async_save`` calls through one writer per rank, none awaited, into one
+    directory; rank 1's first upload thread reaches the writer 1 s late, and step 3 fails
+    on rank 0 mid-write. The coordinator copies the directory after each commit."""
+    root = os.path.join(base, "ckpt")
+    commits: list[str] = []
+
+    def snapshot(report) -> None:  # on the coordinator's upload thread, right after its commit
+        if report.is_coordinator:
+            commits.append(shutil.copytree(root, os.path.join(base, f"commit{len(commits)}")))
+
+    writer = ShardWriter(root, on_report=snapshot)
+    group = dist.new_group(backend="gloo")
+    futures = []
+    for step in range(DIRECT_STEPS):
+        sd = {f"r{rank}": torch.full((64,), float(step))}
+        if rank == 0:
+            sd["w"] = torch.full((8,), float(step))  # FailingPlanner's key
+        if rank == 1 and step == 0:
+            sd["held_back"] = LateState(delay=1.0)
+        planner = FailingPlanner(fail_rank=0) if step == 3 else ShardSavePlanner()
+        futures.append(dcp.async_save(sd, storage_writer=writer, planner=planner, process_group=group))
+    failed = [step for step, future in enumerate(futures) if _failed_with(future, "injected failure")]
+    return commits, failed
+
+
+def _failed_with(future: Future, message: str) -> bool:
+    """Whether the save failed with ``message`` (any other failure is raised)."""
+    try:
+        future.result(timeout=60)
+    except CheckpointException as exc:
+        if message not in str(exc):
+            raise
+        return True
+    return False
+
+
+@pytest.mark.mp
+def test_direct_async_saves_run_in_call_order_on_every_rank(tmp_path):
+    """Each rank used to take its waiting saves in the order their upload threads reached the
+    writer: rank 1 ran its step 1 with rank 0's step 0 and committed the mix."""
+    (commits, failed), (_, failed_on_1) = run_job(direct_saves_in_call_order_job, 2, str(tmp_path))
+    assert failed == failed_on_1 == [3], (failed, failed_on_1)  # on every rank; the later saves went on
+    steps = [step for step in range(DIRECT_STEPS) if step not in failed]
+    assert len(commits) == len(steps), commits
+    for step, path in zip(steps, commits):
+        expected = {name: torch.full(size, float(step)) for name, size in [("r0", (64,)), ("w", (8,)), ("r1", (64,))]}
+        loaded = {name: garbage_like(value) for name, value in expected.items()}
+        dcp.load(loaded, storage_reader=ShardReader(path), planner=ShardLoadPlanner(), no_dist=True)
+        assert_state_dict_equal(loaded, expected, f"commit of step {step}")
+
+
+class ThreadPerSaveStager(AsyncStager):
+    """Stages each save on a thread of its own, the first ``first_delay`` seconds late; DCP's
+    upload thread waits for the staging future before it reaches the storage writer."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, first_delay: float):
+        self.delays = [first_delay]
+
+    def stage(self, state_dict):
+        delay = self.delays.pop() if self.delays else 0.0
+        staged: concurrent.futures.Future = concurrent.futures.Future()
+
+        def copy() -> None:
+            time.sleep(delay)
+            staged.set_result(BlockingAsyncStager().stage(state_dict))
+
+        threading.Thread(target=copy).start()
+        return staged
+
+
+def mismatched_pairing_job(rank: int, world: int, base: str) -> list[str | None]:
+    """Two direct saves with another stager, not awaited, a directory each; rank 1's first is
+    staged 1 s late, so its second save reaches the writer first. Then a third, awaited."""
+    writer = ShardWriter(base)
+    group = dist.new_group(backend="gloo")
+    stager = ThreadPerSaveStager(first_delay=1.0 if rank == 1 else 0.0)
+    uploads = []
+    for step in range(3):
+        if step == 2:
+            concurrent.futures.wait(uploads)
+        sd = {f"r{rank}": torch.full((64,), float(step))}
+        response = dcp.async_save(sd, storage_writer=writer, planner=ShardSavePlanner(), process_group=group,
+                                  async_stager=stager, checkpoint_id=os.path.join(base, f"step{step}"))
+        uploads.append(response.upload_completion)
+    return [None if upload.exception(timeout=60) is None else str(upload.exception()) for upload in uploads]
+
+
+@pytest.mark.mp
+def test_ranks_pairing_different_saves_are_refused(tmp_path):
+    """Where the writer cannot know the call order, a pairing of different saves fails on
+    every rank before anything is written (rank 1 used to write its step 1 into step0/)."""
+    for rank, errors in enumerate(run_job(mismatched_pairing_job, 2, str(tmp_path))):
+        for step in (0, 1):  # save k: rank 0's step k with rank 1's step 1 - k
+            k = step if rank == 0 else 1 - step
+            paired = f"(rank 0: its save #{k}, into {tmp_path / f'step{k}'}; rank 1: its save #{k}, into {tmp_path / f'step{1 - k}'})"
+            assert errors[step] is not None and "the ranks paired different saves in one dcp.save " + paired in errors[step], errors[step]
+            assert not (tmp_path / f"step{step}" / ".metadata").exists(), step
+        assert errors[2] is None, (rank, errors)
+    expected = {name: torch.full((64,), 2.0) for name in ("r0", "r1")}
+    loaded = {name: garbage_like(value) for name, value in expected.items()}
+    dcp.load(loaded, storage_reader=ShardReader(tmp_path / "step2"), planner=ShardLoadPlanner(), no_dist=True)
+    assert_state_dict_equal(loaded, expected, "step 2")
+
+
 # -- without a process group ------------------------------------------------------------------
 
 
@@ -484,6 +624,19 @@ def test_saves_the_writer_cannot_track_keep_no_memory(tmp_path, reuse_staging, s
         assert_state_dict_equal(load(sample_state(seed), tmp_path)[0], sample_state(seed))
     assert writer.staging.allocations == 2 and writer.staging.nbytes == 0
     writer.close()
+
+
+def test_plain_saves_in_a_row_on_one_thread_are_each_a_new_save(tmp_path):
+    """The writer tells a save's later begin calls from the next save's first one on the same
+    thread: each commit gets its own save id, and the thread never waits for itself."""
+    writer = ShardWriter(tmp_path)
+    save_ids = []
+    for seed, checkpoint_id in ((1, None), (2, tmp_path), (3, None)):
+        dcp.save(sample_state(seed), storage_writer=writer, planner=ShardSavePlanner(), checkpoint_id=checkpoint_id)
+        reader = ShardReader(tmp_path, cache_metadata=False)
+        save_ids.append(reader.read_metadata().storage_meta.save_id)
+        assert_state_dict_equal(load(sample_state(seed), tmp_path)[0], sample_state(seed))
+    assert len(set(save_ids)) == 3 and writer.save_id == save_ids[-1], save_ids
 
 
 def test_close_waits_and_raises_an_unreported_failure(tmp_path):
