@@ -29,14 +29,21 @@ SAMPLES = 1024
 ChunkKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # fqn, offsets, sizes
 
 
+# integers of each element width: elements are sampled as their bit patterns, since torch
+# has no take kernel for float8 or uint16/32/64 on CPU
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def chunk_digest(tensor: torch.Tensor) -> bytes:
     """Digest of dtype, shape and up to SAMPLES evenly spaced elements (bit patterns)."""
     flat = tensor.detach()
+    if flat.is_conj() or flat.is_neg():  # hash values: a conj/neg view's bytes are not its values
+        flat = flat.resolve_conj().resolve_neg()
+    bits = flat.view(_BITS[flat.element_size()]) if flat.element_size() in _BITS else flat
     if flat.numel() > SAMPLES:
-        sample = torch.take(flat, _sample_index(flat.numel(), flat.device))
+        sample = torch.take(bits, _sample_index(flat.numel(), flat.device))
     else:
-        sample = flat.reshape(-1)
-    sample = sample.resolve_conj().resolve_neg()  # hash values: a conj/neg view's bytes are not its values
+        sample = bits.reshape(-1)
     data = sample.contiguous().view(torch.uint8).cpu().numpy().tobytes()
     header = f"{flat.dtype}{tuple(flat.shape)}".encode()
     return hashlib.blake2b(header + data, digest_size=16).digest()

@@ -72,8 +72,11 @@ def storage_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
 
 
 def tensor_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
-    """Writable bytes of a contiguous tensor."""
-    if not staged and tensor.device.type == "cpu" and tensor.numel() and tensor.dim() and not tensor.requires_grad:
+    """Writable bytes of a contiguous tensor (torch calls a tensor whose last dim has size 1
+    contiguous whatever that dim's stride, which ``view(torch.uint8)`` refuses: its bytes
+    come from the storage)."""
+    fast = tensor.numel() and tensor.dim() and tensor.stride(-1) == 1 and not tensor.requires_grad
+    if not staged and tensor.device.type == "cpu" and fast:
         return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # a third of the storage detour's cost
     start = tensor.storage_offset() * tensor.element_size()
     return storage_bytes(tensor, staged)[start : start + tensor.numel() * tensor.element_size()]

@@ -67,6 +67,20 @@ def test_strided_stock_record_is_read_exactly(tmp_path):
     assert torch.equal(dest, source[2:6, 1:4])
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_one_column_record_lands_in_a_column_major_destination(tmp_path, verify):
+    """A (7, 1) box of a transposed (3, 7) tensor has strides (1, 7): torch calls it
+    contiguous (a size-1 dim's stride does not count) but refuses ``view(torch.uint8)``
+    of it. A resharded load into a column-major tensor narrows to such boxes."""
+    source = torch.randn(7, 1)
+    [(item, layout)] = write_records(tmp_path, [source])
+    whole = garbage((3, 7)).t()
+    dest = whole[:, 2:3]
+    assert dest.is_contiguous() and dest.stride() == (1, 7)
+    _run(tmp_path, tensor_requests(item, layout, (0, 0), (7, 1), dest, "k", "w", verify=verify))
+    assert torch.equal(dest, source) and torch.equal(whole[:, :2], garbage((3, 7)).t()[:, :2])
+
+
 def test_a_whole_tensor_over_a_slab_is_read_in_pieces_threads_can_share(tmp_path):
     source = torch.arange(5 * SLAB_BYTES // 8, dtype=torch.float32).reshape(-1, 1024)  # 2.5 slabs
     [(item, layout)] = write_records(tmp_path, [source])
