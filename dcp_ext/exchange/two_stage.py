@@ -163,7 +163,7 @@ class TwoStageExchange:
         """
         requests = list(requests)
         mine = [(r.path, offset, length) for r in requests for offset, length in r.ranges]
-        published = f"{type(planning_error).__name__}: {planning_error}" if planning_error else mine
+        published = _describe(planning_error) if planning_error else mine
         everyone: list = [None] * self.world
         with self.clock.phase("exchange"):
             dist.all_gather_object(everyone, (identity, published), group=self.group)
@@ -175,19 +175,29 @@ class TwoStageExchange:
         bytes_read, files = 0, set()
         # Two batches are in flight (one exchanged while the next is read), so each gets half.
         batches = _batches(segments, max(1, self.budget_bytes // 2))
+        # A piece that fails its checks as it lands (a checksum, a decode) fails on the ranks
+        # that need it only: the others are already in the next batch's collective, so the
+        # failure is shared there, like a read error; after the last batch every rank goes on
+        # to dcp.load's own gather, which reports it everywhere.
+        fill_failure: Exception | None = None
         with ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-prefetch") as prefetch:
             pending = prefetch.submit(self._read, segments, batches[0]) if batches else None
             for position, batch in enumerate(batches):
                 buffers, read, error = pending.result()
                 if position + 1 < len(batches):
                     pending = prefetch.submit(self._read, segments, batches[position + 1])
-                self._agree(error)
+                self._agree(error or (_describe(fill_failure) if fill_failure else None))
                 bytes_read += read
                 files.update(segments[n].path for n in batch if segments[n].reader == self.rank)
                 with self.clock.phase("exchange"):
                     received = self._exchange(segments, batch, buffers)
-                for n in batch:
-                    pieces.fill(segments[n], buffers.get(n), received.get(n), self.rank)
+                try:
+                    for n in batch:
+                        pieces.fill(segments[n], buffers.get(n), received.get(n), self.rank)
+                except Exception as exc:
+                    fill_failure = exc
+        if fill_failure is not None:
+            raise fill_failure
         pieces.finish()
         return bytes_read, files
 
@@ -205,7 +215,7 @@ class TwoStageExchange:
             with ThreadPoolExecutor(max(1, min(self.thread_count, len(mine)))) as pool:
                 return buffers, sum(pool.map(read, mine)), None
         except Exception as exc:  # shared with every rank below, then raised everywhere
-            return buffers, 0, f"{type(exc).__name__}: {exc}"
+            return buffers, 0, _describe(exc)
 
     def _agree(self, error: str | None) -> None:
         errors: list[str | None] = [None] * self.world
@@ -345,3 +355,8 @@ class _Pieces:
 
 
 register_executor("two_stage", TwoStageExchange)
+
+
+def _describe(exc: BaseException) -> str:
+    """A failure as the other ranks are told of it."""
+    return f"{type(exc).__name__}: {exc}"

@@ -113,6 +113,28 @@ def test_one_rank_failing_makes_every_rank_raise_the_same_error(tmp_path):
     assert len({m.split(": two-stage", 1)[1] for m in messages}) == 1  # same failure everywhere
 
 
+def _load_with_a_corrupt_record(rank: int, world: int, path: str) -> str:
+    """Only rank 0 needs 'a'; a budget of 1 KiB makes several exchange batches."""
+    state = {"b": garbage_like(torch.arange(16.0))} | ({"a": garbage_like(torch.arange(64.0))} if rank == 0 else {})
+    return _two_stage_error(state, ShardReader(path, two_stage=True, verify_checksums=True, exchange_budget_bytes=1024))
+
+
+def test_a_checksum_failure_on_one_rank_mid_exchange_fails_every_rank(tmp_path):
+    """A piece fails its checksum as it lands, on the one rank that needs it; the others were
+    already in the next batch's collective and waited there forever (found by a fault sweep)."""
+    dcp.save({"a": torch.arange(64.0), "b": torch.arange(16.0)}, storage_writer=ShardWriter(tmp_path),
+             planner=ShardSavePlanner(), no_dist=True)
+    catalog = read_catalog(Location(str(tmp_path)))
+    [item] = [item for index, item in catalog.items.items() if index.fqn == "a"]
+    with open(tmp_path / item.relative_path, "r+b") as f:  # one payload byte of 'a' flipped
+        f.seek(item.payload_offset + 5)  # absolute in the file
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+    messages = run_job(_load_with_a_corrupt_record, 2, str(tmp_path), timeout=60)
+    assert all("rank 0: ChecksumMismatchError" in m and "key 'a'" in m for m in messages), messages
+
+
 def _groups_load_their_own_checkpoints(rank: int, world: int, paths: list[str], exchange: str) -> str:
     """Ranks {0,1} load checkpoint A and {2,3} checkpoint B, each dcp.load on its own group;
     the exchange runs in the load's group (``own``), the default one or the whole job given
