@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import numbers
 from typing import Any
 
@@ -282,8 +283,10 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         super().__init__(*args, **kwargs)
         self.allow_unsafe_bytes = options.flag("ShardLoadPlanner", "allow_unsafe_bytes", allow_unsafe_bytes)
         self._local_items: list[ReadItem] = []
+        self._shared: set[int] | None = None  # per load: see _shared_tensors
 
     def create_local_plan(self) -> LoadPlan:
+        self._shared = None
         keys = None if self.metadata is None else self.metadata.state_dict_metadata
         if isinstance(keys, IndexedKeys):  # our index: plan from its columns (load_plan)
             plan = LoadPlan(local_read_items(self.state_dict, keys, strict=not self.allow_partial_load))
@@ -317,9 +320,11 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """DCP puts the stored object in place of whatever the state dict holds. Where that
         is a tensor, a stored number (an optimizer's ``lr`` or ``step`` saved as a float,
-        loaded into one kept as a tensor) is written into a 0-d tensor instead, so loads
-        into a model's own tensors take effect; anything else is refused: DCP would swap
-        the tensor for it (a hostile checkpoint: for one of another shape)."""
+        loaded into one kept as a tensor) goes into a 0-d tensor of its dtype instead:
+        written into the tensor itself, so loads into a model's own tensors take effect,
+        unless other keys hold the same tensor (torch.optim shares a tensor default across
+        param groups), which then each get a new one. Anything else is refused: DCP would
+        swap the tensor for it (a hostile checkpoint: for one of another shape)."""
         fqn = read_item.dest_index.fqn
         if self.allow_unsafe_bytes:
             obj = torch.load(value, weights_only=False)
@@ -327,30 +332,52 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
             obj = safe_load_bytes(value.getvalue(), f"key {fqn!r}", "ShardLoadPlanner(allow_unsafe_bytes=True)")
         dst = self.state_dict.get(fqn)
         if isinstance(dst, torch.Tensor):
-            _fill_scalar(fqn, dst, obj)
-            return
+            number = scalar_for(fqn, dst, obj)
+            if id(dst) not in self._shared_tensors():
+                with torch.no_grad():
+                    dst.fill_(number)
+                return
+            obj = torch.tensor(number, dtype=dst.dtype, device=dst.device)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 
+    def _shared_tensors(self) -> set[int]:
+        """Ids of tensors the state dict holds under more than one key (once per load)."""
+        if self._shared is None:
+            seen: set[int] = set()
+            self._shared = set()
+            for obj in self.state_dict.values():
+                if isinstance(obj, torch.Tensor):
+                    (self._shared if id(obj) in seen else seen).add(id(obj))
+        return self._shared
 
-def _fill_scalar(fqn: str, dst: torch.Tensor, obj: Any) -> None:
-    """Write a stored number into the 0-d tensor the state dict holds at ``fqn``, cast as
-    DCP casts tensors on load; refuse anything else in a tensor's place."""
-    if isinstance(obj, numbers.Real) and dst.dim() == 0:
-        value = int(obj) if isinstance(obj, numbers.Integral) else float(obj)
-        try:
-            with torch.no_grad():
-                dst.fill_(value)
-            return
-        except (RuntimeError, TypeError, OverflowError) as exc:
-            raise InvalidRequestError(
-                f"key {fqn!r}: the checkpoint stores the number {value!r}, which does not fit the state dict's "
-                f"{dst.dtype} tensor ({exc})"
-            ) from None
-    raise InvalidRequestError(
-        f"key {fqn!r}: the checkpoint stores a non-tensor item ({type(obj).__name__}) where the state dict holds a "
-        f"tensor of shape {list(dst.shape)}; only a number loads into a tensor, a 0-d one. Load this key into a "
-        "state dict holding a non-tensor value there"
-    )
+
+def scalar_for(fqn: str, dst: torch.Tensor, obj: Any) -> bool | int | float:
+    """The stored number ``obj`` as the 0-d tensor ``dst`` holds it; refused when it is no
+    number, ``dst`` has dims, or its dtype cannot hold the value (an integer out of range or
+    with a fraction, a finite float that overflows): a tensor cast would change it silently."""
+    if not isinstance(obj, (numbers.Real, np.bool_)) or dst.dim() != 0:
+        raise InvalidRequestError(
+            f"key {fqn!r}: the checkpoint stores a non-tensor item ({type(obj).__name__}) where the state dict "
+            f"holds a tensor of shape {list(dst.shape)}; only a number loads into a tensor, a 0-d one. Load this "
+            "key into a state dict holding a non-tensor value there"
+        )
+    value = bool(obj) if isinstance(obj, (bool, np.bool_)) else int(obj) if isinstance(obj, numbers.Integral) else float(obj)
+    dtype = dst.dtype
+    if dtype == torch.bool:
+        fits = value in (0, 1)
+    elif dtype.is_floating_point:
+        fits = not math.isfinite(value) or bool(torch.tensor(value, dtype=torch.float64).to(dtype).float().isfinite())
+    elif dtype.is_complex:
+        fits = True
+    else:
+        info = torch.iinfo(dtype)
+        fits = math.isfinite(value) and float(value).is_integer() and info.min <= value <= info.max
+    if not fits:
+        raise InvalidRequestError(
+            f"key {fqn!r}: the checkpoint stores the number {value!r}, which the state dict's {dtype} tensor "
+            "cannot hold"
+        )
+    return value

@@ -53,6 +53,7 @@ class Catalog:
     format: str = "dcp"  # "safetensors": no checksums recorded (see safetensors_catalog)
     fingerprint: int = 0  # CRC32C of the metadata as stored: tells one checkpoint from another
     inline: dict[MetadataIndex, bytes] = field(default_factory=dict)  # bytes items a format synthesizes (no I/O)
+    saving_rank: int | None = None  # per-rank metadata (dcp.save(use_collectives=False)): the rank it describes
     index_name: str | None = None  # the file our index came from: INDEX_NAME, or PREVIOUS_INDEX_NAME mid-commit
     cache_key: Any = None  # the metadata cache entry it came from (set by MetadataCache.open)
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
@@ -427,7 +428,9 @@ def read_rank_catalog(location: Location, rank: int) -> Catalog:
     except FileNotFoundError:
         raise CheckpointError(f"{location.url}: no committed checkpoint here (neither {METADATA_NAME} nor {name})") from None
     metadata = load_metadata_pickle(data, source)
-    return _checked_catalog(location, metadata, source, (location.signature(name),), crc32c.crc32c(data))
+    catalog = _checked_catalog(location, metadata, source, (location.signature(name),), crc32c.crc32c(data))
+    catalog.saving_rank = rank
+    return catalog
 
 
 def catalog_signature(location: Location) -> tuple[Any, ...]:

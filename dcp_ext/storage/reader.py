@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import time
 import uuid
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
@@ -238,6 +240,8 @@ class ShardReader(StorageReader):
         commits: list[Callable[[], None]] = []
         try:
             stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
+            if catalog.saving_rank is not None:
+                self._check_rank_part_covers(catalog.saving_rank, plan, planner)
             self._check_files(plan.items, stored)
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
@@ -342,6 +346,28 @@ class ShardReader(StorageReader):
                 "require_commit_marker=False to load it anyway (its data files were all written before "
                 f"{METADATA_NAME})"
             )
+
+    def _check_rank_part_covers(self, rank: int, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """A per-rank metadata describes what its rank saved, not whole tensors: a load at
+        another world size or layout would leave the rest of a destination as it was,
+        silently (as stock DCP does). Refused unless the reads fill every destination."""
+        state = getattr(planner, "state_dict", None)
+        if not isinstance(state, dict):
+            return
+        read: dict[str, int] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+        saved = self._require_catalog().metadata.state_dict_metadata
+        for fqn, value in state.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if isinstance(local, torch.Tensor) and fqn in saved and read.get(fqn, 0) < local.numel():
+                raise InvalidRequestError(
+                    f"{self.location.url}: key {fqn!r}: {rank_metadata_name(rank)} (a dcp.save(use_collectives=False)) "
+                    f"describes only what rank {rank} saved, {read.get(fqn, 0)} of the {local.numel()} elements this "
+                    "rank's destination needs; such a checkpoint loads at the saving world size, each rank into "
+                    "the layout it saved"
+                )
 
     def _missing(self, path: str, key: str) -> CheckpointError:
         """The error for a data file that is gone: a concurrent save retired it, or it was lost.

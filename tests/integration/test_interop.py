@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext import InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.cli.main import main as cli
 
 from mp import run_job
@@ -287,6 +287,19 @@ def per_rank_metadata_job(rank: int, world: int, path: str) -> None:
     with pytest.raises(dcp.api.CheckpointException) as info:
         dcp.load(dict(state), storage_reader=ShardReader(path, share_metadata=True), planner=ShardLoadPlanner())
     assert "has per-rank metadata (__" in str(info.value) and "each rank loads alone" in str(info.value)
+    # a rank's metadata holds its own rows only: loading them resharded left the rest untouched, silently
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24.0).reshape(6, 4)
+    dcp.save({"dt": distribute_tensor(full, mesh, [Shard(0)])}, storage_writer=dcp.FileSystemWriter(path + "_dt"),
+             use_collectives=False)
+    dist.barrier()
+    out = {"dt": distribute_tensor(garbage_like(full), mesh, [Shard(0)])}
+    dcp.load(out, storage_reader=ShardReader(path + "_dt"), planner=ShardLoadPlanner())
+    assert_state_dict_equal({"dt": out["dt"].full_tensor()}, {"dt": full})
+    with pytest.raises(InvalidRequestError) as info:  # raised as is: such a load runs without collectives
+        replicated = {"dt": distribute_tensor(garbage_like(full), mesh, [Replicate()])}
+        dcp.load(replicated, storage_reader=ShardReader(path + "_dt"), planner=ShardLoadPlanner())
+    assert f"describes only what rank {rank} saved, 12 of the 24 elements" in str(info.value)
 
 
 @pytest.mark.mp

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -305,3 +306,16 @@ def test_a_tensor_dcp_cannot_store_is_refused_by_key(tmp_path, kind):
     out = {"ok": garbage_like(torch.ones(2))}
     dcp.load(out, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
     assert_state_dict_equal(out, {"ok": torch.ones(2)})
+
+
+def test_stored_numbers_for_one_tensor_under_several_keys_stay_apart(tmp_path):
+    """torch.optim shares a tensor default ``lr`` across param groups: written in place,
+    the last group's value won for every group. Keys sharing a tensor each get a new one."""
+    dcp.save({"g0.lr": 0.5, "g1.lr": 0.25, "flag": np.bool_(True)}, storage_writer=ShardWriter(tmp_path), no_dist=True)
+    shared = torch.tensor(-1.0, dtype=torch.float64)
+    flag = torch.tensor(0)
+    state = {"g0.lr": shared, "g1.lr": shared, "flag": flag}
+    dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    assert_state_dict_equal(state, {"g0.lr": torch.tensor(0.5, dtype=torch.float64),
+                                    "g1.lr": torch.tensor(0.25, dtype=torch.float64), "flag": torch.tensor(1)})
+    assert shared.item() == -1.0 and state["flag"] is flag  # a tensor of one key is still filled in place

@@ -303,7 +303,10 @@ def test_non_tensor_item_never_replaces_a_tensor(tmp_path):
         (5, torch.ones(3), "non-tensor item (int) where the state dict holds a tensor of shape [3]"),
         ("text", torch.tensor(1.0), "non-tensor item (str)"),
         (b"raw", torch.ones(3), "non-tensor item (bytes)"),
-        (2**70, torch.tensor(1), "the number 1180591620717411303424, which does not fit the state dict's torch.int64"),
+        (2**70, torch.tensor(1), "the number 1180591620717411303424, which the state dict's torch.int64 tensor cannot hold"),
+        (-1, torch.tensor(0, dtype=torch.uint8), "the number -1, which the state dict's torch.uint8 tensor cannot hold"),
+        (1e40, torch.tensor(0.0, dtype=torch.float16), "which the state dict's torch.float16 tensor cannot hold"),
+        (2.5, torch.tensor(0), "the number 2.5, which the state dict's torch.int64 tensor cannot hold"),
     ]:
         save({"w": stored}, tmp_path, overwrite=True)
         kept = dst.clone()
