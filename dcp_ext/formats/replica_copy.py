@@ -43,4 +43,3 @@ class ReplicaCopyIndex(MetadataIndex):
     def canonical(self) -> MetadataIndex:
         """The plain key of the chunk this copies, as ``.metadata`` and our index name it."""
         return MetadataIndex(self.fqn, self.offset, self.index)
-

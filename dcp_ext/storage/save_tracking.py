@@ -94,10 +94,13 @@ class Turn:
     staged: object = None  # a save the writer staged: its staged state dict, until its thread comes
     thread: threading.Thread | None = None  # the thread running the save, once it came
     set_up: bool = False  # the save passed its last begin call: the thread's next one is a new save
+    ended: bool = False  # its thread began a later save: inside dcp.save again, but not in this one
     issued: float = dataclasses.field(default_factory=time.monotonic)
 
     def over(self) -> bool:
         """The save left ``dcp.save`` (or its thread never came and no longer will be waited for)."""
+        if self.ended:
+            return True
         if self.thread is None:
             return time.monotonic() - self.issued > UNCLAIMED_TURN_SECONDS
         return not (self.thread.is_alive() and thread_in_save(self.thread.ident))
@@ -132,9 +135,11 @@ class SaveSlot:
             with self._lock:
                 return next(self._numbers)
         with self._lock:
-            if self._holder is not None and self._holder.thread is me and not self._holder.set_up:
-                self._holder.set_up = set_up
-                return None
+            if self._holder is not None and self._holder.thread is me:
+                if not self._holder.set_up:
+                    self._holder.set_up = set_up
+                    return None
+                self._holder.ended = True  # else a save waiting before this one would wait for it
             turn = self._claim(me)
         while not self._take(turn):
             time.sleep(POLL_SECONDS)

@@ -639,6 +639,20 @@ def test_plain_saves_in_a_row_on_one_thread_are_each_a_new_save(tmp_path):
     assert len(set(save_ids)) == 3 and writer.save_id == save_ids[-1], save_ids
 
 
+@pytest.mark.timeout(120)
+def test_a_plain_save_after_an_unawaited_async_one_runs_after_it(tmp_path):
+    """Plain save, direct async save not awaited (its upload thread held back), plain save,
+    on one thread: each waited for the other forever (the first plain save's turn looked
+    unfinished, its thread being inside dcp.save again). Found reviewing the turns."""
+    writer = ShardWriter(tmp_path)
+    dcp.save(sample_state(1), storage_writer=writer, planner=ShardSavePlanner())
+    future = dcp.async_save({"late": LateState(0.3)}, storage_writer=writer, planner=ShardSavePlanner())
+    dcp.save(sample_state(3), storage_writer=writer, planner=ShardSavePlanner())
+    future.result(timeout=60)
+    assert_state_dict_equal(load(sample_state(3), tmp_path)[0], sample_state(3))  # call order: the async one first
+    writer.close()
+
+
 def test_close_waits_and_raises_an_unreported_failure(tmp_path):
     save(sample_state(1), tmp_path)
     writer = ShardWriter(tmp_path, overwrite=False)
