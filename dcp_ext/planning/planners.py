@@ -43,7 +43,7 @@ from dcp_ext.planning.replica_check import chunk_digest, chunk_digest_rows
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
 from dcp_ext.storage.piece_digests import PieceDigest
-from dcp_ext.storage.writer import SaveOrder
+from dcp_ext.storage.save_tracking import SaveOrder
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):

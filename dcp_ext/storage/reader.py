@@ -241,7 +241,7 @@ class ShardReader(StorageReader):
         try:
             stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
             if catalog.saving_rank is not None:
-                self._check_rank_part_covers(catalog.saving_rank, plan, planner)
+                self._check_rank_part_covers(catalog, catalog.saving_rank, plan, planner)
             self._check_files(plan.items, stored)
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
@@ -347,7 +347,7 @@ class ShardReader(StorageReader):
                 f"{METADATA_NAME})"
             )
 
-    def _check_rank_part_covers(self, rank: int, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _check_rank_part_covers(self, catalog: Catalog, rank: int, plan: LoadPlan, planner: LoadPlanner) -> None:
         """A per-rank metadata describes what its rank saved, not whole tensors: a load at
         another world size or layout would leave the rest of a destination as it was,
         silently (as stock DCP does). Refused unless the reads fill every destination."""
@@ -358,7 +358,7 @@ class ShardReader(StorageReader):
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
                 read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
-        saved = self._require_catalog().metadata.state_dict_metadata
+        saved = catalog.metadata.state_dict_metadata
         for fqn, value in state.items():
             local = value.to_local() if isinstance(value, DTensor) else value
             if isinstance(local, torch.Tensor) and fqn in saved and read.get(fqn, 0) < local.numel():

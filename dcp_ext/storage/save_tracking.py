@@ -38,8 +38,10 @@ import types
 from collections.abc import Iterator
 
 from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from dcp_ext.errors import CheckpointError
 from dcp_ext.storage.commit import discard_save
 from dcp_ext.storage.location import Location
 
@@ -249,3 +251,31 @@ def discard_on_failure(token: str):  # noqa: ANN201
     except BaseException:
         OPEN_SAVES.discard_now(token)
         raise
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOrder:
+    """What each rank's local plan tells the coordinator about the save it is part of: equal
+    on every rank when the ranks pair the same saves (``SaveSlot`` turns). Its presence also
+    tells ``ShardSavePlanner`` that the writer files TP-replica copies in its index."""
+
+    number: int  # the save's turn among the saves through this rank's writer
+    checkpoint: str
+
+
+def check_same_save(plans: list[SavePlan]) -> None:
+    """Refuse a save whose ranks are each running a different one of their saves.
+
+    Skipped when a planner dropped the local plans' storage data.
+    """
+    orders = [plan.storage_data for plan in plans]
+    if not all(isinstance(order, SaveOrder) for order in orders) or len(set(orders)) == 1:
+        return
+    ranks = "; ".join(f"rank {rank}: its save #{order.number}, into {order.checkpoint}" for rank, order in enumerate(orders))
+    raise CheckpointError(
+        f"{orders[0].checkpoint}: the ranks paired different saves in one dcp.save ({ranks}); nothing was "
+        "written. Saves through one writer not awaited in between run in call order when the writer stages "
+        "them; saves staged by another stager (dcp.async_save(async_stager=...)) run in the order their "
+        "upload threads reach the writer, which can differ between ranks: wait for each one's future "
+        "before the next, or leave async_stager out"
+    )

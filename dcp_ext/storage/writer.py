@@ -34,7 +34,7 @@ from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.piece_digests import check_piece_digests, split_piece_digests, with_piece_digests
 from dcp_ext.storage.save_tracking import (
-    OPEN_SAVES, OpenSave, SaveSlot, discard_on_failure, thread_in_save, uploads_on_a_thread,
+    OPEN_SAVES, OpenSave, SaveOrder, SaveSlot, check_same_save, discard_on_failure, thread_in_save, uploads_on_a_thread,
 )
 from dcp_ext.storage.staging import AsyncStagingMixin
 from dcp_ext.storage.writeback import early_writeback
@@ -52,34 +52,6 @@ class FilePrefix:
 
     def file_name(self, n: int) -> str:
         return data_file_name(self.rank, self.token, n)
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveOrder:
-    """What each rank's local plan tells the coordinator about the save it is part of: equal
-    on every rank when the ranks pair the same saves (``SaveSlot`` turns). Its presence also
-    tells ``ShardSavePlanner`` that the writer files TP-replica copies in its index."""
-
-    number: int  # the save's turn among the saves through this rank's writer
-    checkpoint: str
-
-
-def check_same_save(plans: list[SavePlan]) -> None:
-    """Refuse a save whose ranks are each running a different one of their saves.
-
-    Skipped when a planner dropped the local plans' storage data.
-    """
-    orders = [plan.storage_data for plan in plans]
-    if not all(isinstance(order, SaveOrder) for order in orders) or len(set(orders)) == 1:
-        return
-    ranks = "; ".join(f"rank {rank}: its save #{order.number}, into {order.checkpoint}" for rank, order in enumerate(orders))
-    raise CheckpointError(
-        f"{orders[0].checkpoint}: the ranks paired different saves in one dcp.save ({ranks}); nothing was "
-        "written. Saves through one writer not awaited in between run in call order when the writer stages "
-        "them; saves staged by another stager (dcp.async_save(async_stager=...)) run in the order their "
-        "upload threads reach the writer, which can differ between ranks: wait for each one's future "
-        "before the next, or leave async_stager out"
-    )
 
 
 def item_nbytes(item: WriteItem) -> int:
