@@ -39,6 +39,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
     torch.complex64: "C64",
 }
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -91,8 +93,8 @@ def decode_header(prefix: bytes, file_size: int, where: str) -> tuple[dict[str, 
     length = header_length(prefix, file_size, where)
     try:
         header = json.loads(prefix[8 : 8 + length])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(f"{where}: safetensors header is not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: safetensors header is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: safetensors header is not a JSON object")
     metadata = header.pop(METADATA_KEY, None) or {}
@@ -118,7 +120,7 @@ def header_length(prefix: bytes, file_size: int, where: str) -> int:
 def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
     if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"} or len(info) != 3:
         raise CorruptCheckpointError(f"{where}: expected dtype, shape and data_offsets, found {info!r}"[:300])
-    dtype = DTYPES_BY_NAME.get(info["dtype"])
+    dtype = DTYPES_BY_NAME.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     shape, offsets = info["shape"], info["data_offsets"]
     if dtype is None:
         raise CorruptCheckpointError(f"{where}: unknown dtype {info['dtype']!r}")

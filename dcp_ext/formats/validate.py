@@ -117,3 +117,23 @@ def _check_tensor(
                 raise record_too_small(
                     source, fqn, offsets, nbytes, stored.relative_path, stored.offset, stored.length, stored.payload_offset
                 )
+
+
+def chunk_faults(fqn: str, md: TensorStorageMetadata) -> list[str]:
+    """Chunks must lie inside the tensor, not overlap, and cover it exactly once."""
+    faults = []
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+    covered = sum(numel(sizes) for _, sizes in boxes)
+    if covered != numel(md.size):
+        faults.append(f"{fqn}: chunks cover {covered} elements of {numel(md.size)}")
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in boxes:
+        if numel(sizes) == 0:
+            continue
+        if offsets:  # sweep along dim 0: only chunks still open there can overlap
+            active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
+        for o, s in active:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, o, s)):
+                faults.append(f"{fqn}: chunk at {list(offsets)} overlaps chunk at {list(o)}")
+        active.append((offsets, sizes))
+    return faults

@@ -216,6 +216,14 @@ class Location(ABC):
         """Make renames in the directory durable (only local disks have a directory to sync)."""
 
 
+def _is_symlink(path: str) -> bool:
+    """Whether ``path`` is a symbolic link (one ``lstat``; a missing entry is none)."""
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 class LocalLocation(Location):
     is_local = True
 
@@ -232,6 +240,8 @@ class LocalLocation(Location):
     def path(self, name: str, key: str = "") -> str:
         check_relative_name(self.url, name, key)
         full = os.path.join(self.root, name)
+        if "/" not in name and os.sep not in name and not _is_symlink(full):
+            return full  # an entry of the directory itself, not a link: inside it wherever the root resolves
         real_root = os.path.realpath(self.root)
         real = os.path.realpath(full)
         if os.path.commonpath([real_root, real]) != real_root:

@@ -156,6 +156,7 @@ class ShardReader(StorageReader):
         self.on_report = options.callback("ShardReader", "on_report", on_report)
         self.last_report: LoadReport | None = None
         self.catalog: Catalog | None = None
+        self._metadata_error: CheckpointError | None = None  # the last read_metadata() failure, for DCP's retry with rank=
         self.rank = 0
         self.is_coordinator = False
         self.load_id = uuid.uuid4().hex  # as stock readers: one per load, in read_metadata's storage_meta
@@ -171,8 +172,17 @@ class ShardReader(StorageReader):
         """Every rank calls this first in a load, so the load's figures start here."""
         self.stats = ReadStats()
         self.clock = PhaseClock(LOAD_PHASES)
+        rank = kwargs.get("rank")
         with self.clock.phase("metadata"):
-            metadata = self._open_metadata(kwargs.get("rank"))
+            try:
+                metadata = self._open_metadata(rank)
+            except CheckpointError as exc:
+                if rank is None or self._metadata_error is None or self.location.exists(rank_metadata_name(rank)):
+                    self._metadata_error = exc if rank is None else None
+                    raise
+                # DCP asks for per-rank metadata after any failure: the first one is the one to report
+                raise self._metadata_error from None
+        self._metadata_error = None
         self.stats.seconds += self.clock.seconds["metadata"]
         return metadata
 

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.safetensors_format import TensorEntry, decode_header, header_length
-from dcp_ext.formats.validate import check_metadata
+from dcp_ext.formats.data_files import check_relative_name
+from dcp_ext.formats.validate import check_metadata, chunk_faults
 from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.location import Location
 
@@ -60,7 +61,8 @@ def safetensors_signature(location: Location) -> tuple[Any, ...]:
 def read_safetensors_catalog(location: Location) -> Catalog:
     """Parse every file's header (and the index, when there is one) into a Catalog."""
     signature = safetensors_signature(location)
-    files = safetensors_files(location)
+    weight_map = _weight_map(location)
+    files = safetensors_files(location) if weight_map is None else sorted(set(weight_map.values()))
     if not files:
         raise CheckpointError(f"{location.url}: no {SUFFIX} files here")
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...], str]]] = defaultdict(list)
@@ -70,19 +72,28 @@ def read_safetensors_catalog(location: Location) -> Catalog:
         fingerprint = crc32c.crc32c(name.encode() + header, fingerprint)
         offsets = _sharding_offsets(metadata, entries, f"{location.url}/{name}")
         for key, entry in entries.items():
-            chunks[key].append((entry, offsets.get(key, (0,) * len(entry.shape)), name))
-    _check_index(location, chunks)
+            if weight_map is None or weight_map.get(key, name) == name:  # the index says where a key lies
+                chunks[key].append((entry, offsets.get(key, (0,) * len(entry.shape)), name))
+    if weight_map is not None:
+        _check_index(location, weight_map, chunks)
     state_dict_metadata: dict[str, Any] = {}
     items: dict[MetadataIndex, StoredItem] = {}
     for key, pieces in chunks.items():
         dtypes = {entry.dtype for entry, _, _ in pieces}
         if len(dtypes) > 1:
             raise CorruptCheckpointError(f"{location.url}: key {key!r} is stored with different dtypes {sorted(map(str, dtypes))}")
-        state_dict_metadata[key] = TensorStorageMetadata(
+        md = state_dict_metadata[key] = TensorStorageMetadata(
             TensorProperties(dtype=pieces[0][0].dtype),
             torch.Size(_global_size(pieces)),
             [ChunkStorageMetadata(torch.Size(offsets), torch.Size(entry.shape)) for entry, offsets, _ in pieces],
         )
+        faults = chunk_faults(key, md)
+        if faults:  # the shape is inferred from the pieces: a gap is a missing file, an overlap a stray one
+            holders = sorted({name for _, _, name in pieces})
+            raise CorruptCheckpointError(
+                f"{location.url}: {faults[0]} (key {key!r} in {', '.join(holders)}); expected its pieces to cover "
+                f"it exactly once: a file missing, or one left from another save?"
+            )
         for entry, offsets, name in pieces:
             items[MetadataIndex(key, torch.Size(offsets))] = StoredItem(name, entry.begin, entry.nbytes, entry.begin)
     metadata = Metadata(state_dict_metadata, storage_meta=StorageMeta())
@@ -134,18 +145,29 @@ def _sharding_offsets(metadata: dict[str, str], entries: dict[str, TensorEntry],
     return offsets
 
 
-def _check_index(location: Location, chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...], str]]]) -> None:
-    """``model.safetensors.index.json``, when present, must name files that hold its keys."""
+def _weight_map(location: Location) -> dict[str, str] | None:
+    """``model.safetensors.index.json``'s key -> file map, or None without an index. With an
+    index only the files it names are read, as transformers does: shards of an earlier save
+    left in the directory are not part of the checkpoint."""
     try:
         raw = location.read_bytes(INDEX_NAME)
     except FileNotFoundError:
-        return
+        return None
     where = f"{location.url}/{INDEX_NAME}"
     try:
         weight_map = json.loads(raw)["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise CorruptCheckpointError(f"{where}: expected a JSON object with a weight_map") from None
+        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    except (ValueError, KeyError, TypeError, AssertionError, RecursionError):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object with a weight_map of file names") from None
     for key, name in weight_map.items():
-        if not any(file == name for _, _, file in chunks.get(key, ())):
-            raise CorruptCheckpointError(f"{where}: key {key!r} is mapped to {name!r}, which does not hold it")
+        check_relative_name(where, name.removeprefix("./"), key)
+    return {key: name.removeprefix("./") for key, name in weight_map.items()}
+
+
+def _check_index(location: Location, weight_map: dict[str, str], chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...], str]]]) -> None:
+    """Every key of the index lies in the file it is mapped to."""
+    for key, name in weight_map.items():
+        if key not in chunks:
+            raise CorruptCheckpointError(
+                f"{location.url}/{INDEX_NAME}: key {key!r} is mapped to {name!r}, which does not hold it"
+            )

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import StoredItem
-from dcp_ext.formats.torch_record import numel
 from dcp_ext.formats.transforms import decode, record_limit
+from dcp_ext.formats.validate import chunk_faults
 from dcp_ext.storage.catalog import Catalog, stored_metadata_facts
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
 from dcp_ext.formats.data_files import is_data_file
@@ -43,26 +43,6 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.faults
-
-
-def chunk_faults(fqn: str, md: TensorStorageMetadata) -> list[str]:
-    """Chunks must lie inside the tensor, not overlap, and cover it exactly once."""
-    faults = []
-    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
-    covered = sum(numel(sizes) for _, sizes in boxes)
-    if covered != numel(md.size):
-        faults.append(f"{fqn}: chunks cover {covered} elements of {numel(md.size)}")
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offsets, sizes in boxes:
-        if numel(sizes) == 0:
-            continue
-        if offsets:  # sweep along dim 0: only chunks still open there can overlap
-            active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
-        for o, s in active:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, o, s)):
-                faults.append(f"{fqn}: chunk at {list(offsets)} overlaps chunk at {list(o)}")
-        active.append((offsets, sizes))
-    return faults
 
 
 def verify_checkpoint(

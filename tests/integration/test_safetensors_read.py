@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import save_torch_state_dict
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -101,6 +101,60 @@ def test_stock_hugging_face_writer_output_with_dcp_offsets_loads_resharded(tmp_p
     run_job(dtensor_load_job, 4, str(tmp_path), want)  # 2 -> 4 processes
 
 
+@pytest.mark.mp
+def test_a_missing_file_of_a_distributed_hugging_face_save_is_refused_not_left_as_a_hole(tmp_path):
+    """The global shape is inferred from the pieces, so a lost file would leave rows of the
+    destination unloaded (stock HuggingFaceStorageReader does that silently)."""
+    run_job(hf_writer_job, 2, str(tmp_path))
+    victim = next(p for p in sorted(tmp_path.glob("shard-00001-*.safetensors")))
+    victim.unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"w: chunks cover 12 elements of 28 \(key 'w' in shard-00002-"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_shards_of_an_earlier_save_that_the_index_does_not_name_are_not_read(tmp_path):
+    """A re-sharded model downloaded over an older one: the index says which files count."""
+    old = {k: torch.full_like(v, 7) for k, v in model_tensors().items()}
+    os.makedirs(tmp_path / "old")
+    save_torch_state_dict(old, tmp_path / "old", max_shard_size=600)
+    want = write("huggingface_hub", str(tmp_path / "model"))
+    for stale in (tmp_path / "old").glob("*.safetensors"):
+        assert not (tmp_path / "model" / stale.name).exists()
+        stale.rename(tmp_path / "model" / stale.name)
+    load_tensors(tmp_path / "model", want)
+    index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"./{v}" for k, v in index["weight_map"].items()}  # transformers joins these too
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    load_tensors(tmp_path / "model", want)
+
+
+def test_a_key_in_two_files_without_an_index_is_refused_naming_both(tmp_path):
+    want = write("save_file", str(tmp_path))
+    save_file({"mask": want["mask"]}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match=r"mask: chunks cover 18 elements of 9 \(key 'mask' in extra.safetensors, model.safetensors\)"):
+        ShardReader(tmp_path).read_metadata()
+
+
+def test_a_load_reports_the_checkpoints_fault_again_when_dcp_asks_for_per_rank_metadata(tmp_path):
+    """After a failed read_metadata() DCP asks for the rank's own ``__0.metadata``: the
+    answer is the first fault again, not "neither .metadata nor __0.metadata"."""
+    want = write("save_file", str(tmp_path))
+    save_file({"mask": want["mask"]}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(BaseException) as info:
+        load_tensors(tmp_path, want)
+    assert str(info.value).count("chunks cover 18 elements of 9") == 2 and "__0.metadata" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz])
+def test_fnuz_float8_files_written_by_safetensors_load_bit_exact(tmp_path, dtype):
+    want = {"a": torch.randn(5, 3).to(dtype), "b": torch.randn(4).to(dtype)}
+    save_file(want, str(tmp_path / "model.safetensors"))
+    got = load_file(str(tmp_path / "model.safetensors"))
+    out, _ = load_tensors(tmp_path, want)
+    for key in want:
+        assert torch.equal(out[key].view(torch.uint8), got[key].view(torch.uint8))
+
+
 def test_cli_inspect_verify_and_export_round_trip(tmp_path, capsys):
     want = write("huggingface_hub", str(tmp_path / "hf"))
     assert cli(["inspect", "--json", str(tmp_path / "hf")]) == 0
@@ -149,6 +203,12 @@ def corrupt(kind: str, path) -> None:
     elif kind == "size disagrees with shape":
         header["mask"]["shape"] = [10]
         rewrite(path, header, data)
+    elif kind == "dtype not a string":
+        header["mask"]["dtype"] = ["BOOL"]
+        rewrite(path, header, data)
+    elif kind == "deeply nested header":
+        text = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -157,6 +217,8 @@ def corrupt(kind: str, path) -> None:
     ("overlapping tensors", r"tensors '\w[\w.]*' and '\w[\w.]*' overlap"),
     ("header over 100 MB", r"header claims 100000001 bytes"),
     ("size disagrees with shape", r"key 'mask': data_offsets .* hold 9 bytes, but BOOL \[10\] needs 10"),
+    ("dtype not a string", r"key 'mask': unknown dtype \['BOOL'\]"),
+    ("deeply nested header", r"header is not valid JSON \(RecursionError"),
 ])
 def test_bad_files_get_a_clear_error_naming_file_and_key(tmp_path, kind, message):
     write("save_file", str(tmp_path))

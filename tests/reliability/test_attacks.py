@@ -37,7 +37,7 @@ from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 
 from megatron_fixtures import write_zarr
-from support import load, load_error, local_save_plans, sample_state, save
+from support import assert_state_dict_equal, load, load_error, local_save_plans, sample_state, save
 
 
 class Payload:
@@ -194,6 +194,19 @@ def test_symlinked_data_file_out_of_the_directory_is_refused(tmp_path):
     os.symlink(outside, ckpt / victim)
     error = load_error(state, ckpt)
     assert isinstance(error, UnsafeCheckpointError) and victim in str(error) and "outside" in str(error)
+
+
+def test_links_that_stay_inside_the_checkpoint_load(tmp_path):
+    """The directory reached through a link, and a data file linked to another name inside
+    it, are not escapes: the load is bit-exact."""
+    state = sample_state()
+    save(state, tmp_path / "step_1")
+    os.symlink(tmp_path / "step_1", tmp_path / "latest")
+    victim = next(n for n in os.listdir(tmp_path / "step_1") if n.endswith(".distcp"))
+    os.replace(tmp_path / "step_1" / victim, tmp_path / "step_1" / "moved.bin")
+    os.symlink("moved.bin", tmp_path / "step_1" / victim)
+    out, _ = load(state, tmp_path / "latest")
+    assert_state_dict_equal(out, state)
 
 
 @pytest.mark.parametrize("name", [".metadata", INDEX_NAME])

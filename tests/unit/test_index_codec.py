@@ -66,7 +66,10 @@ def encoded() -> tuple[bytes, Metadata, dict, dict, bytes]:
     return encode_index(metadata, items, metadata_bytes, 1234, copies), metadata, items, copies, metadata_bytes
 
 
-def test_round_trip_gives_back_every_object_and_location():
+@pytest.mark.parametrize("whole_read_rows", [65_536, 0], ids=["one-read", "column-by-column"])
+def test_round_trip_gives_back_every_object_and_location(whole_read_rows, monkeypatch):
+    """Both ways of reading the table: small indexes in one call, large ones a column at a time."""
+    monkeypatch.setattr(index_module, "_WHOLE_READ_ROWS", whole_read_rows)
     data, metadata, items, copies, metadata_bytes = encoded()
     back = decode_index(data, "ckpt/.index")
     assert back.metadata_crc32c == 1234 and back.metadata_size == len(metadata_bytes)
