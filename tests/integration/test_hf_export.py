@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from dcp_ext import InvalidRequestError, ShardLoadPlanner, ShardReader, export_safetensors
+from dcp_ext import CorruptCheckpointError, InvalidRequestError, ShardLoadPlanner, ShardReader, export_safetensors
 from dcp_ext.cli.main import main as cli
 
 from megatron_fixtures import write_legacy, write_torch_dist, write_zarr
@@ -129,6 +130,21 @@ def test_an_export_never_replaces_its_source(tmp_path):
     got = {k: garbage_like(v) for k, v in want.items()}
     dcp.load(got, storage_reader=ShardReader(tmp_path / "runs" / "ckpt"), planner=ShardLoadPlanner(), no_dist=True)
     assert_tensors_equal(got, want)
+
+
+def test_a_tensor_its_chunks_do_not_cover_is_refused_not_exported_with_garbage(tmp_path):
+    """A stock .metadata naming a larger tensor than its chunks hold (a custom planner that
+    dropped a rank's items): a load leaves the rest as it was, an export would write
+    uninitialized memory."""
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"))
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    metadata.state_dict_metadata["w"].size = torch.Size([5, 4])
+    with open(tmp_path / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt: cannot export 'w': w: chunks cover 12 elements of 20"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_key_safetensors_reserves_is_refused_before_writing(tmp_path):
