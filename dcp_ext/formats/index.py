@@ -17,6 +17,7 @@ import io
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -160,7 +161,7 @@ class _Rows:
     then the TP-replica copies."""
 
     names: list[str]
-    tensors: dict[str, list[Any]]  # fqn -> [dtype, shape, requires_grad, pin_memory]
+    tensors: dict[str, list[Any]]  # fqn -> [dtype, shape, requires_grad, pin_memory(, strides: torch >= 2.15)]
     key: np.ndarray  # per row: position in names
     ndim: np.ndarray  # per row: box length (-1: bytes row, no box)
     offsets: np.ndarray  # boxes back to back
@@ -184,6 +185,8 @@ class _Rows:
             if isinstance(md, TensorStorageMetadata):
                 props = md.properties
                 tensors[fqn] = [dtype_name(props.dtype), list(md.size), props.requires_grad, props.pin_memory]
+                if getattr(props, "strides", None) is not None:  # torch >= 2.15 records the saving rank's strides
+                    tensors[fqn].append(list(props.strides))
                 n, nd = len(md.chunks), len(md.size)
                 offsets = [chunk.offsets for chunk in md.chunks]
                 off_parts.append(np.array(offsets, np.int64).reshape(n * nd))
@@ -288,6 +291,7 @@ def _decode(data: bytes, source: str) -> IndexedCheckpoint:
         raise CorruptCheckpointError(f"{source}: unreadable index ({type(exc).__name__}: {exc})") from None
 
 
+_HAS_STRIDES = "strides" in {f.name for f in dataclass_fields(TensorProperties)}  # torch >= 2.15
 _WHOLE_READ_ROWS = 65_536  # about 8 MB of decode buffers
 
 
@@ -345,13 +349,17 @@ class _Keys:
                 state[fqn] = BytesStorageMetadata()
                 shapes.append([])
                 continue
-            dtype_text, shape, requires_grad, pin_memory = header["tensors"][fqn]
+            dtype_text, shape, requires_grad, pin_memory, *strides = header["tensors"][fqn]
             if not isinstance(shape, list) or not all(type(v) is int for v in shape):
                 raise CorruptCheckpointError(f"{source}: {fqn!r} has a non-integer shape or offset {shape!r}")
             dtype = dtype_from_name(dtype_text, source)
             if any(v < 0 for v in shape):
                 raise invalid_tensor_facts(source, fqn, dtype, shape)
             props = TensorProperties(dtype=dtype, requires_grad=bool(requires_grad), pin_memory=bool(pin_memory))
+            if strides and _HAS_STRIDES:  # written by torch >= 2.15; an older torch has no field for them
+                if not isinstance(strides[0], list) or not all(type(v) is int for v in strides[0]):
+                    raise CorruptCheckpointError(f"{source}: {fqn!r} has non-integer strides {strides[0]!r}")
+                props.strides = tuple(strides[0])
             state[fqn] = TensorStorageMetadata(props, torch.Size(shape), [])
             shapes.append(shape)
         tensor = [isinstance(md, TensorStorageMetadata) for md in state.values()]

@@ -291,12 +291,20 @@ def _intern(ids: dict[str, int], facts: list[TensorFacts | None], fqn: str, fact
     if n is None:
         ids[fqn] = n = len(facts)
         facts.append(fact)
-    elif facts[n] != fact:
+    elif facts[n] != fact and _without_strides(facts[n]) != _without_strides(fact):
         raise InvalidRequestError(
             f"Failed to validate global plan: key {fqn!r} is declared with different tensor facts by "
             f"different ranks: {_describe(facts[n])} vs {_describe(fact)}"
         )
     return n
+
+
+def _without_strides(fact: TensorFacts | None) -> TensorFacts | None:
+    """The facts ranks must agree on: torch >= 2.15 also records each rank's local strides,
+    which differ between uneven shards (stock DCP keeps the first rank's; so does the plan)."""
+    if fact is None or getattr(fact[0], "strides", None) is None:
+        return fact
+    return (dataclasses.replace(fact[0], strides=None), *fact[1:])
 
 
 def _describe(fact: TensorFacts | None) -> str:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 import dcp_ext
 from dcp_ext import CheckpointError, InvalidRequestError
+from dcp_ext.formats import index as index_module
 from dcp_ext.megatron import IncompleteSaveError
 from dcp_ext.planning import global_plan as global_plan_module
 from dcp_ext.planning.global_plan import _concat, _fill, _group_ranks, _keyed_box_order, _lexsorted_box_order, _tiles, _unique_boxes, holder_classes, plan_globally
@@ -69,6 +70,22 @@ def test_an_invalid_global_plan_is_a_checkpoint_error_and_a_value_error():
     with pytest.raises(InvalidRequestError, match="Failed to validate global plan") as info:
         global_plan(plans)
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.skipif(not index_module._HAS_STRIDES, reason="torch < 2.15 records no strides")
+def test_uneven_shards_strides_differ_but_other_facts_must_agree():
+    """torch >= 2.15 records each rank's local strides: rows 0-4 and 5-7 of an (8, 3)
+    tensor sharded on dim 1 have strides (2, 1) and (1, 1); the plan keeps the first rank's,
+    as stock DCP does. A dtype that differs is still refused."""
+    def item(offset, size, strides, dtype=torch.float32):
+        made = shard_item("w", [0, offset], [8, size], [8, 3], dtype)
+        made.tensor_data.properties.strides = strides
+        return made
+
+    result = global_plan([SavePlan([item(0, 2, (2, 1))]), SavePlan([item(2, 1, (1, 1))])])
+    assert result.metadata.state_dict_metadata["w"].properties.strides == (2, 1)
+    with pytest.raises(InvalidRequestError, match="different tensor facts"):
+        global_plan([SavePlan([item(0, 2, (2, 1))]), SavePlan([item(2, 1, (1, 1), torch.float16)])])
 
 
 def test_every_public_error_derives_from_checkpoint_error():
