@@ -23,6 +23,8 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import pickletools
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -87,8 +89,92 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError("metadata pickles never contain persistent references")
 
 
+def _argument_kinds() -> list[int | None]:
+    """Per opcode byte, how its argument is laid out: n >= 0 fixed bytes, ``_LINE`` up to a
+    newline, ``_TWO_LINES`` two of them, ``-k`` a k-byte length then that many bytes; None
+    for a byte that is no opcode."""
+    sized = {pickletools.TAKEN_FROM_ARGUMENT1: -1, pickletools.TAKEN_FROM_ARGUMENT4: -4,
+             pickletools.TAKEN_FROM_ARGUMENT4U: -4, pickletools.TAKEN_FROM_ARGUMENT8U: -8}
+    kinds: list[int | None] = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            kind = 0
+        elif arg.name == "stringnl_noescape_pair":  # GLOBAL, INST: module and name lines
+            kind = _TWO_LINES
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            kind = _LINE
+        else:
+            kind = arg.n if arg.n >= 0 else sized[arg.n]
+        kinds[op.code.encode("latin-1")[0]] = kind
+    kinds[pickle.LONG_BINPUT[0]] = _LONG_PUT
+    kinds[pickle.STOP[0]] = _END
+    return kinds
+
+
+_LINE, _TWO_LINES, _LONG_PUT, _END = -100, -200, -300, -400
+_ARGUMENT_KINDS = _argument_kinds()
+_PUT = pickle.PUT[0]
+
+
+def _fixed_run() -> re.Pattern[bytes]:
+    """A run of opcodes whose arguments have a fixed size (LONG_BINPUT aside), skipped in C."""
+    by_size: dict[int, list[int]] = {}
+    for code, kind in enumerate(_ARGUMENT_KINDS):
+        if kind is not None and kind >= 0:
+            by_size.setdefault(kind, []).append(code)
+    parts = [b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * size for size, codes in sorted(by_size.items())]
+    return re.compile(b"(?:" + b"|".join(parts) + b")*", re.DOTALL)
+
+
+_FIXED_RUN = _fixed_run()
+
+
+def largest_memo_slot(data: bytes) -> int:
+    """The largest memo slot a PUT / LONG_BINPUT of the pickle in ``data`` names (-1: none).
+
+    The C unpickler grows its memo to twice a slot's number before storing anything, so a
+    crafted 4-byte number in a 9-byte pickle asks for 64 GB; a legitimate pickle memoizes at
+    most one object per opcode, so its slots stay below its length. One pass over the
+    opcodes, skipping their arguments (runs of fixed-size ones by a regular expression);
+    raises ValueError for bytes that are no pickle."""
+    pos, end, largest, kinds, skip = 0, len(data), -1, _ARGUMENT_KINDS, _FIXED_RUN.match
+    while pos < end:
+        pos = skip(data, pos).end()
+        if pos >= end:
+            break
+        op = data[pos]
+        kind = kinds[op]
+        pos += 1
+        if kind is None:
+            raise ValueError(f"byte {op:#04x} at {pos - 1} is no pickle opcode")
+        if kind >= 0:  # its argument runs past the end
+            return largest
+        if kind >= -8:  # a 1-, 4- or 8-byte length, then that many bytes
+            pos += -kind + int.from_bytes(data[pos : pos - kind], "little")
+        elif kind == _LONG_PUT:
+            largest = max(largest, int.from_bytes(data[pos : pos + 4], "little"))
+            pos += 4
+        elif kind == _END:
+            return largest
+        else:
+            stop = data.index(b"\n", pos)
+            if op == _PUT:
+                largest = max(largest, int(data[pos:stop]))
+            pos = stop + 1 if kind == _LINE else data.index(b"\n", stop + 1) + 1
+    return largest
+
+
 def load_metadata_pickle(data: bytes, source: str) -> dcp_metadata.Metadata:
     """Decode ``.metadata`` bytes read from ``source`` (named in every error)."""
+    try:
+        slot = largest_memo_slot(data)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{source}: metadata pickle is unreadable ({exc})") from None
+    if slot >= len(data):
+        raise CorruptCheckpointError(
+            f"{source}: metadata pickle names memo slot {slot}, more than its {len(data)} bytes can hold"
+        )
     try:
         with gc_paused():
             result = _MetadataUnpickler(io.BytesIO(data)).load()

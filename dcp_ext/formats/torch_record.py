@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-import pickletools
 import struct
 import zipfile
 import zlib
@@ -50,6 +49,7 @@ from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.safe_pickle import largest_memo_slot
 
 PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and pickle
 SMALL_WRITE = 64 << 10  # below this a write is gathered with its neighbours, not passed on
@@ -361,10 +361,12 @@ def _check_memo(pickled: bytes) -> None:
     """Refuse a pickle that names a memo slot beyond ``_MEMO_SLOTS``: the unpickler grows
     its memo to the slot number before anything else, so a corrupt or crafted number
     would allocate gigabytes (a tensor record's pickle uses about ten)."""
-    for opcode, argument, _ in pickletools.genops(pickled):
-        if "PUT" in opcode.name or "GET" in opcode.name:
-            if not isinstance(argument, int) or not 0 <= argument < _MEMO_SLOTS:
-                raise CorruptCheckpointError(f"record pickle uses memo slot {argument!r} (at most {_MEMO_SLOTS - 1} expected)")
+    try:
+        slot = largest_memo_slot(pickled)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"record pickle is unreadable ({exc})") from None
+    if slot >= _MEMO_SLOTS:
+        raise CorruptCheckpointError(f"record pickle uses memo slot {slot} (at most {_MEMO_SLOTS - 1} expected)")
 
 
 class RecordLayouts:

@@ -13,7 +13,9 @@ import io
 import os
 import pickle
 import re
+import struct
 import subprocess
+import zipfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -217,6 +219,38 @@ def test_symlinked_metadata_out_of_the_directory_is_refused(tmp_path, name):
     os.symlink(tmp_path / "elsewhere", ckpt / name)
     with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
         ShardReader(ckpt).read_metadata()
+
+
+MEMO_BOMB = b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 26) + b"."  # None, LONG_BINPUT 2**26, STOP
+
+
+def test_a_metadata_pickle_naming_a_huge_memo_slot_is_refused_before_unpickling(tmp_path):
+    """Nine bytes that make the C unpickler allocate a memo of 2**27 slots (1 GiB; 2**31 OOMs)."""
+    save(sample_state(), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(MEMO_BOMB)
+    (tmp_path / "ckpt" / INDEX_NAME).unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata: metadata pickle names memo slot 67108864, more than its 9 bytes"):
+        ShardReader(tmp_path / "ckpt", require_commit_marker=False).read_metadata()
+
+
+def test_a_tensor_record_naming_a_huge_memo_slot_is_refused(tmp_path):
+    state = {"w": torch.arange(6.0)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"))
+    info = next(iter(read_metadata_pickle(tmp_path / "ckpt").storage_data.values()))
+    path = tmp_path / "ckpt" / info.relative_path
+    with zipfile.ZipFile(io.BytesIO(path.read_bytes()[info.offset : info.offset + info.length])) as src:
+        entries = {name: src.read(name) for name in src.namelist()}
+    record = io.BytesIO()
+    with zipfile.ZipFile(record, "w") as dst:
+        for name, data in entries.items():
+            dst.writestr(name, MEMO_BOMB if name.endswith("/data.pkl") else data)
+    path.write_bytes(record.getvalue())
+    metadata = read_metadata_pickle(tmp_path / "ckpt")
+    next(iter(metadata.storage_data.values())).offset = 0
+    next(iter(metadata.storage_data.values())).length = len(record.getvalue())
+    write_metadata_pickle(tmp_path / "ckpt", metadata)
+    error = load_error(state, tmp_path / "ckpt")
+    assert isinstance(error, CorruptCheckpointError) and "memo slot 67108864 (at most 1023 expected)" in str(error)
 
 
 def test_hostile_tensor_record_in_a_stock_checkpoint_is_refused(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.safe_load import safe_torch_load
+from dcp_ext.formats.safe_pickle import largest_memo_slot
 
 PLAIN_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
                 np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128, np.longlong]
@@ -89,3 +91,16 @@ def test_refusal_names_the_refused_global(obj, name, encoding):
 def test_unreadable_bytes_are_a_checkpoint_error(data):
     with pytest.raises(CheckpointError, match="key 'x'"):
         safe_torch_load(data, "key 'x'")
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_largest_memo_slot_is_the_one_the_opcodes_name(protocol):
+    """The fast opcode walk agrees with pickletools on every protocol (text PUT in 0,
+    LONG_BINPUT past 255 objects in 1-3, MEMOIZE only from 4)."""
+    obj = {"keys": [f"k{i}" for i in range(400)], "nested": [[b"x" * 300, 2.5, None, True, 10**40]] * 3,
+           "text": "\u00fc" * 70_000, "size": torch.Size([2, 3]), "dtype": torch.float16}
+    data = pickle.dumps(obj, protocol=protocol)
+    named = [arg for op, arg, _ in pickletools.genops(data) if op.name in ("PUT", "LONG_BINPUT")]
+    assert largest_memo_slot(data) == max(named, default=-1)
+    with pytest.raises(ValueError):
+        largest_memo_slot(b"\xff" + data)
