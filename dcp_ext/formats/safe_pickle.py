@@ -137,21 +137,25 @@ def largest_memo_slot(data: bytes) -> int:
     crafted 4-byte number in a 9-byte pickle asks for 64 GB; a legitimate pickle memoizes at
     most one object per opcode, so its slots stay below its length. One pass over the
     opcodes, skipping their arguments (runs of fixed-size ones by a regular expression);
-    raises ValueError for bytes that are no pickle."""
+    raises ValueError for bytes that are no pickle, or an argument length past its end
+    (the unpickler allocates that length before reading: the same bomb)."""
     pos, end, largest, kinds, skip = 0, len(data), -1, _ARGUMENT_KINDS, _FIXED_RUN.match
-    while pos < end:
+    while True:
         pos = skip(data, pos).end()
         if pos >= end:
-            break
+            raise ValueError("pickle ends before its STOP opcode")
         op = data[pos]
         kind = kinds[op]
         pos += 1
         if kind is None:
             raise ValueError(f"byte {op:#04x} at {pos - 1} is no pickle opcode")
-        if kind >= 0:  # its argument runs past the end
-            return largest
-        if kind >= -8:  # a 1-, 4- or 8-byte length, then that many bytes
-            pos += -kind + int.from_bytes(data[pos : pos - kind], "little")
+        if kind >= 0:  # a fixed-size argument the regular expression did not take: cut short
+            raise ValueError(f"opcode {op:#04x} at {pos - 1} is cut short")
+        if kind >= -8:  # a 1-, 4- or 8-byte length, then that many bytes (the C unpickler allocates them first)
+            length = int.from_bytes(data[pos : pos - kind], "little")
+            if pos - kind + length > end:
+                raise ValueError(f"opcode {op:#04x} at {pos - 1} claims {length} bytes, past the end of the pickle")
+            pos += -kind + length
         elif kind == _LONG_PUT:
             largest = max(largest, int.from_bytes(data[pos : pos + 4], "little"))
             pos += 4
@@ -162,7 +166,6 @@ def largest_memo_slot(data: bytes) -> int:
             if op == _PUT:
                 largest = max(largest, int(data[pos:stop]))
             pos = stop + 1 if kind == _LINE else data.index(b"\n", stop + 1) + 1
-    return largest
 
 
 def load_metadata_pickle(data: bytes, source: str) -> dcp_metadata.Metadata:

@@ -102,5 +102,6 @@ def test_largest_memo_slot_is_the_one_the_opcodes_name(protocol):
     data = pickle.dumps(obj, protocol=protocol)
     named = [arg for op, arg, _ in pickletools.genops(data) if op.name in ("PUT", "LONG_BINPUT")]
     assert largest_memo_slot(data) == max(named, default=-1)
-    with pytest.raises(ValueError):
-        largest_memo_slot(b"\xff" + data)
+    for broken in (b"\xff" + data, data[:-1], data[: len(data) // 2], b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"."):
+        with pytest.raises(ValueError):  # no opcode, no STOP, cut short, a length past the end (allocated first)
+            largest_memo_slot(broken)
