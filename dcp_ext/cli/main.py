@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
         return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE
     except CheckpointException as exc:  # raised by dcp.save/load: report the first rank's failure
-        error = next(iter(exc.failures.values()))[0] if exc.failures else exc
+        error: BaseException = exc
+        while isinstance(error, CheckpointException) and error.failures:  # convert: a load inside a save
+            error = next(iter(error.failures.values()))[0]
         if not isinstance(error, (CheckpointError, OSError)):
             raise
         print(f"error: {error}", file=sys.stderr)

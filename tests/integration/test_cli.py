@@ -104,6 +104,9 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     save(sample_state(), ours_meta_dir)  # with our index and commit marker, which are read first
     (ours_meta_dir / ".metadata").unlink()
     (ours_meta_dir / ".metadata").mkdir()
+    truncated = tmp_path / "truncated"  # convert loads inside its save: the error comes wrapped twice
+    save(sample_state(), truncated)
+    os.truncate(next(truncated.glob("*.distcp")), 100)
     return {
         "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
         "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
@@ -125,6 +128,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
             ["convert", str(ckpt), str(tmp_path / "o6"), "--to", "hf", "--include", "("], "include='(' is not a regular expression"),
         "inspect an unknown URL scheme": (["inspect", "s3x://bucket/x"], "s3x://bucket/x: cannot open this URL (Protocol not known: s3x)"),
         "convert into /proc": (["convert", str(ckpt), "/proc/no/such"], "/proc/no/such: cannot create the checkpoint directory"),
+        "convert a truncated checkpoint": (["convert", str(truncated), str(tmp_path / "o7")], "but the file has 100 bytes (truncated?)"),
     }
 
 
@@ -132,7 +136,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "inspect a file", "inspect .metadata directory", "inspect our .metadata directory", "inspect missing", "inspect without .metadata",
     "convert onto a file", "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
     "convert --iteration of a DCP checkpoint", "convert --partition-dim not a regex", "convert --to hf --include not a regex",
-    "inspect an unknown URL scheme", "convert into /proc",
+    "inspect an unknown URL scheme", "convert into /proc", "convert a truncated checkpoint",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main
