@@ -12,10 +12,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
 from dcp_ext.errors import CorruptCheckpointError
-from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts, record_too_small
+from dcp_ext.formats.faults import (
+    chunk_outside_tensor,
+    chunks_miscover_tensor,
+    invalid_byte_range,
+    invalid_tensor_facts,
+    record_too_small,
+)
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.formats.data_files import check_relative_name
@@ -47,14 +53,19 @@ def check_metadata(
     items: dict[MetadataIndex, StoredItem],
     source: str,
     copies: dict[MetadataIndex, list[StoredItem]] | None = None,
+    whole_tensors: bool = True,
 ) -> None:
     """Raise CorruptCheckpointError/UnsafeCheckpointError naming the key on any fault.
 
     ``copies`` (TP-replica copies from our index) get the same checks as the chunk they copy.
+    ``whole_tensors``: each tensor's chunks hold as many elements as the tensor (False for
+    a rank's own metadata of a save without collectives, which holds that rank's chunks).
     """
     copies = copies or {}
     if not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{source}: state_dict_metadata is not a dict")
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        raise CorruptCheckpointError(f"{source}: storage_meta is a {type(metadata.storage_meta).__name__}, expected a StorageMeta or None")
     for index, item in items.items():
         for stored in (item, *copies.get(index, ())):
             _check_location(index, stored, source)
@@ -65,7 +76,7 @@ def check_metadata(
             if MetadataIndex(fqn) not in items:
                 raise CorruptCheckpointError(f"{source}: bytes item {fqn!r} has no stored location")
         elif isinstance(md, TensorStorageMetadata):
-            _check_tensor(fqn, md, items, copies, source)
+            _check_tensor(fqn, md, items, copies, source, whole_tensors)
         else:
             raise CorruptCheckpointError(f"{source}: key {fqn!r} has unknown metadata {type(md).__name__}")
 
@@ -87,12 +98,14 @@ def _check_tensor(
     items: dict[MetadataIndex, StoredItem],
     copies: dict[MetadataIndex, list[StoredItem]],
     source: str,
+    whole: bool,
 ) -> None:
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not _non_negative_ints(md.size):
         raise invalid_tensor_facts(source, fqn, dtype, md.size)
     if not isinstance(md.chunks, list):
         raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has no chunk list")
+    covered = 0
     for chunk in md.chunks:
         offsets, sizes = chunk.offsets, chunk.sizes
         if (
@@ -107,7 +120,9 @@ def _check_tensor(
         item = items.get(index)
         if item is None:
             raise CorruptCheckpointError(f"{source}: tensor {fqn!r} chunk at {list(offsets)} has no stored location")
-        nbytes = numel(sizes) * dtype.itemsize
+        elements = numel(sizes)
+        covered += elements
+        nbytes = elements * dtype.itemsize
         for stored in (item, *copies.get(index, ())):
             if stored.transforms:  # compressed: any stored size; decoding is bounded instead
                 continue
@@ -117,6 +132,8 @@ def _check_tensor(
                 raise record_too_small(
                     source, fqn, offsets, nbytes, stored.relative_path, stored.offset, stored.length, stored.payload_offset
                 )
+    if whole and covered != numel(md.size):
+        raise chunks_miscover_tensor(source, fqn, covered, md.size)
 
 
 def chunk_faults(fqn: str, md: TensorStorageMetadata) -> list[str]:

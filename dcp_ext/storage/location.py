@@ -108,6 +108,8 @@ class Location(ABC):
             raise CheckpointError(f"{self.url}: is a file, not a checkpoint directory") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.url}: {name} is a directory, expected a file") from None
+        except SpecialFileError:
+            raise CheckpointError(f"{self.url}: {name} is not a regular file (a FIFO, socket or device), expected a file") from None
         except PermissionError as exc:  # an object store answering 403 (credentials) too
             raise CheckpointError(f"{self.url}: cannot read {name} ({exc.strerror or exc})") from None
 
@@ -216,6 +218,25 @@ class Location(ABC):
         """Make renames in the directory durable (only local disks have a directory to sync)."""
 
 
+class SpecialFileError(OSError):
+    """A checkpoint file name that is a FIFO, socket or device."""
+
+
+def open_regular_file(path: str) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file. A directory opens but
+    every read fails, and a FIFO's open or read waits for a writer forever: both are
+    refused here (the open does not wait: ``O_NONBLOCK``, which regular files ignore)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        raise SpecialFileError(errno.EINVAL, "Not a regular file", path)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _is_symlink(path: str) -> bool:
     """Whether ``path`` is a symbolic link (one ``lstat``; a missing entry is none)."""
     try:
@@ -258,9 +279,11 @@ class LocalLocation(Location):
             st = os.stat(self.path(name))
         except OSError:
             return None
-        if stat.S_ISDIR(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):
             with self._file_errors(name):
-                raise IsADirectoryError(errno.EISDIR, "Is a directory", name)
+                if stat.S_ISDIR(st.st_mode):
+                    raise IsADirectoryError(errno.EISDIR, "Is a directory", name)
+                raise SpecialFileError(errno.EINVAL, "Not a regular file", name)
         return st.st_size
 
     def signature(self, name: str) -> tuple[Any, ...] | None:
@@ -288,11 +311,11 @@ class LocalLocation(Location):
         ]
 
     def _read_all(self, full: str) -> bytes:
-        with open(full, "rb") as f:
+        with os.fdopen(open_regular_file(full), "rb") as f:
             return f.read()
 
     def _open_file(self, full: str) -> IO[bytes]:
-        return open(full, "rb")  # noqa: SIM115
+        return os.fdopen(open_regular_file(full), "rb")
 
     def local_file(self, name: str) -> str | None:
         return self.path(name)
@@ -457,10 +480,7 @@ class LocalRangeReader(RangeReader):
 
     def __init__(self, path: str):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        if stat.S_ISDIR(os.fstat(self.fd).st_mode):  # opens, but every read fails: refuse it here
-            os.close(self.fd)
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        self.fd = open_regular_file(path)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         total = 0

@@ -142,7 +142,7 @@ def test_a_tensor_its_chunks_do_not_cover_is_refused_not_exported_with_garbage(t
     metadata.state_dict_metadata["w"].size = torch.Size([5, 4])
     with open(tmp_path / "ckpt" / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    with pytest.raises(CorruptCheckpointError, match=r"ckpt: cannot export 'w': w: chunks cover 12 elements of 20"):
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' of shape \[5, 4\] has 20 elements but its chunks hold 12"):
         export_safetensors(tmp_path / "ckpt", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 

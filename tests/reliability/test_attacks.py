@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_ext import (
@@ -219,6 +220,46 @@ def test_symlinked_metadata_out_of_the_directory_is_refused(tmp_path, name):
     os.symlink(tmp_path / "elsewhere", ckpt / name)
     with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
         ShardReader(ckpt).read_metadata()
+
+
+@pytest.mark.parametrize("planner", [None, DefaultLoadPlanner()], ids=["ShardLoadPlanner", "DefaultLoadPlanner"])
+def test_chunks_that_do_not_cover_their_tensor_are_refused_not_loaded_around(tmp_path, planner):
+    """A .metadata whose tensor is larger than its chunks (rows 3-5 of the destination
+    would keep their old values), or with a chunk doubled over another (stock DCP loads
+    both silently)."""
+    state = {"w": torch.arange(12.0).reshape(3, 4)}
+    save(state, tmp_path / "gap")
+    rewrite_metadata(tmp_path / "gap", lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([6, 4])))
+    error = load_error({"w": torch.zeros(6, 4)}, tmp_path / "gap", planner)
+    assert "tensor 'w' of shape [6, 4] has 24 elements but its chunks hold 12" in str(error)  # inside DCP's metadata wrapper
+
+    save(state, tmp_path / "overlap")
+
+    def doubled(md) -> None:
+        md.state_dict_metadata["w"].chunks.append(ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([2, 4])))
+        first = next(iter(md.storage_data.values()))
+        md.storage_data[MetadataIndex("w", torch.Size([1, 0]))] = first
+
+    rewrite_metadata(tmp_path / "overlap", doubled)
+    error = load_error(state, tmp_path / "overlap", planner)
+    assert "tensor 'w' of shape [3, 4] has 12 elements but its chunks hold 20" in str(error)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_not_waited_on(tmp_path):
+    """Opening or reading a FIFO waits for a writer that never comes (stock DCP hangs)."""
+    state = {"w": torch.arange(6.0)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"))
+    (tmp_path / "stock" / ".metadata").unlink()
+    os.mkfifo(tmp_path / "stock" / ".metadata")
+    with pytest.raises(CheckpointError, match=r"stock: \.metadata is not a regular file \(a FIFO, socket or device\)"):
+        ShardReader(tmp_path / "stock").read_metadata()
+    save(state, tmp_path / "ours")
+    victim = next((tmp_path / "ours").glob("*.distcp"))
+    victim.unlink()
+    os.mkfifo(victim)
+    error = load_error(state, tmp_path / "ours")
+    assert isinstance(error, CheckpointError) and f"{victim.name} is not a regular file" in str(error)
 
 
 MEMO_BOMB = b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 26) + b"."  # None, LONG_BINPUT 2**26, STOP
