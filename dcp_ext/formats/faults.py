@@ -4,9 +4,18 @@ fault reads the same whichever path found it."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from dcp_ext.errors import CorruptCheckpointError
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 200  # a key name whole; a hostile megabyte value cut short
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for a message, bounded: the value comes from a file and may be huge."""
+    return _SHOWN.repr(value)
 
 
 def invalid_tensor_facts(source: str, fqn: str, dtype: Any, shape: Any) -> CorruptCheckpointError:

@@ -24,7 +24,8 @@ import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_ext.errors import CheckpointError, InvalidRequestError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
+from dcp_ext.formats.faults import shown
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.safe_load import safe_torch_load, stored_at
 from dcp_ext.formats.torch_record import TensorLayout, check_within_storage
@@ -32,6 +33,7 @@ from dcp_ext.megatron.base import Box, MegatronOptions, build_metadata, tensor_m
 from dcp_ext.megatron.legacy_layout import (
     MODEL_FILE,
     TRACKER,
+    count_arg,
     first_rank_file,
     is_rank_dir,
     parallelism,
@@ -43,9 +45,10 @@ from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.location import Location
 
 BYTES_KEYS = ("args", "iteration", "checkpoint_version")
-_MODEL_KEY = re.compile(r"^model(\d*)$")
-_LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
-_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+_MODEL_KEY = re.compile(r"^model(\d{0,4})$")  # numbers bounded: int() of a hostile 5000-digit one raises
+_LAYER = re.compile(r"^(.*?\blayers\.)(\d{1,9})(\..*)$")
+_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d{1,9})(\..*)$")
+_MAX_NESTING = 16  # pre-mcore files nest model -> language_model -> encoder -> ...: a few levels
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,15 @@ class LegacyCheckpoint:
         first = first_rank_file(location, self.iteration_dir)
         loaded: dict[str, dict[str, Any]] = {first: self._load(first)}
         self.args = loaded[first].get("args")
-        self.sizes = parallelism(location, self.iteration_dir, self.args)
+        self.sizes = parallelism(location, self.iteration_dir, self.args, f"{self.url}/{first}")
+        self.num_experts = count_arg(self.args, "num_experts", f"{self.url}/{first}")
         self.files = rank_files(location, self.iteration_dir, self.sizes)
         for path in self.files.values():
             if path not in loaded:
                 loaded[path] = self._load(path)
         self.common = {k: v for k, v in loaded[self.files[(0, 0, 0)]].items() if not _is_model_or_optimizer(k)}
         self.byte_keys = [k for k in BYTES_KEYS if k in self.common]
-        self.models = {path: _models(state) for path, state in loaded.items()}
+        self.models = {path: _models(state, f"{self.url}/{path}") for path, state in loaded.items()}
         self.pieces: dict[MetadataIndex, Piece] = {}
         collected = self._collect()
         self._check_rules(list(collected))
@@ -176,7 +180,7 @@ class LegacyCheckpoint:
         found: dict[str, dict[int, Shard]] = defaultdict(dict)
         for (tp, pp, ep), path in self.files.items():
             for model, stage_v, params in self.models[path]:
-                experts = _local_expert_count(self.args, self.sizes.ep, params)
+                experts = _local_expert_count(self.num_experts, self.sizes.ep, params)
                 for key, value in params.items():
                     if not isinstance(value, torch.Tensor) or key.endswith("_extra_state"):
                         continue
@@ -221,7 +225,7 @@ class LegacyCheckpoint:
             return tensor_metadata(first.dtype, first.shape, [((0,) * len(first.shape), first.shape)])
         if dim >= len(first.shape):
             raise CheckpointError(f"{where}: partition dim {dim} of {name!r} is out of range for shape {list(first.shape)}")
-        halves = 2 if getattr(self.args, "swiglu", False) and is_swiglu_fc1(name) else 1
+        halves = 2 if getattr(self.args, "swiglu", False) is True and is_swiglu_fc1(name) else 1
         local = first.shape[dim]
         if local % halves:
             raise CheckpointError(f"{where}: SwiGLU {name!r} has an odd size {local} on dim {dim}")
@@ -247,30 +251,44 @@ def _is_model_or_optimizer(key: str) -> bool:
     return _MODEL_KEY.match(key) is not None or key == "optimizer"
 
 
-def _models(state: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
+def _models(state: dict[str, Any], where: str) -> list[tuple[str, int, dict[str, Any]]]:
     """(entry, virtual stage, parameters by dotted name) for ``model`` or ``model0``, ``model1``..."""
     out = []
     for key, value in state.items():
         match = _MODEL_KEY.match(key)
         if match and isinstance(value, dict):
-            out.append((key, int(match[1] or 0), _flatten(value)))
+            out.append((key, int(match[1] or 0), _flatten(value, f"{where} entry {key!r}")))
     return out
 
 
-def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts (pre-mcore ``language_model`` / ``embedding`` / ``encoder``) as dotted names."""
+def _flatten(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """Nested dicts (pre-mcore ``language_model`` / ``embedding`` / ``encoder``) as dotted names.
+
+    Megatron saves a tree a few levels deep: a dict met twice (a cycle, or one shared to
+    multiply the entries) or nested deeper than ``_MAX_NESTING`` is corruption, refused
+    before it recurses without end or expands without bound.
+    """
     flat: dict[str, Any] = {}
-    for key, value in params.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
+    seen: set[int] = set()
+
+    def visit(node: dict[str, Any], prefix: str, depth: int) -> None:
+        if id(node) in seen or depth > _MAX_NESTING:
+            problem = "is a dict met twice (a cycle, or shared)" if id(node) in seen else f"nests dicts more than {_MAX_NESTING} deep"
+            raise CorruptCheckpointError(f"{where}: {shown(prefix.rstrip('.'))} {problem}; Megatron saves a tree")
+        seen.add(id(node))
+        for key, value in node.items():
+            if isinstance(value, dict):
+                visit(value, f"{prefix}{key}.", depth + 1)
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    visit(params, "", 0)
     return flat
 
 
-def _local_expert_count(args: Any, ep_size: int, params: dict[str, Any]) -> int:
-    if getattr(args, "num_experts", None):
-        return int(args.num_experts) // ep_size
+def _local_expert_count(num_experts: int | None, ep_size: int, params: dict[str, Any]) -> int:
+    if num_experts:
+        return num_experts // ep_size
     return 1 + max((int(m[2]) for m in map(_EXPERT.match, params) if m), default=-1)
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 import posixpath
 import re
-from argparse import Namespace
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.faults import shown
 from dcp_ext.storage.location import Location
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -22,6 +24,8 @@ MODEL_FILE = "model_optim_rng.pt"
 RELEASE = "release"
 _ITER_DIR = re.compile(r"^iter_\d{7}$")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_ITERATION = re.compile(r"[0-9]{1,18}")  # what Megatron writes: str(iteration); int() takes no more than 4300 digits
+_LISTED = 8  # missing rank files a message names; the rest it counts
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,27 @@ class Parallelism:
     pp: int
     ep: int
 
-    def coordinates(self) -> list[tuple[int, int, int]]:
-        return list(itertools.product(range(self.tp), range(self.pp), range(self.ep)))
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.ep
+
+    def coordinates(self) -> Iterator[tuple[int, int, int]]:
+        """Every (tp, pp, ep), lazily: ``args`` may claim far more than the directory holds."""
+        return itertools.product(range(self.tp), range(self.pp), range(self.ep))
 
     def rank_dir(self, tp: int, pp: int, ep: int) -> str:
         return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if self.pp > 1 else "") + (f"_{ep:03d}" if self.ep > 1 else "")
+
+    def coordinates_of(self, name: str) -> tuple[int, int, int] | None:
+        """The (tp, pp, ep) whose directory is ``name`` under these sizes, or None."""
+        match = _RANK_DIR.match(name)
+        if match is None:
+            return None
+        tp, *rest = (int(g) for g in match.groups() if g is not None)
+        pp = rest.pop(0) if self.pp > 1 and rest else 0
+        ep = rest.pop(0) if self.ep > 1 and rest else 0
+        inside = tp < self.tp and pp < self.pp and ep < self.ep
+        return (tp, pp, ep) if inside and self.rank_dir(tp, pp, ep) == name else None
 
 
 def is_rank_dir(name: str) -> bool:
@@ -54,8 +74,10 @@ def resolve_iteration(location: Location, iteration: int | str | None) -> str:
     if iteration is None:
         if TRACKER in names:
             text = location.read_bytes(TRACKER).decode(errors="replace").strip()
-            if text != RELEASE and not text.isdigit():
-                raise CorruptCheckpointError(f"{location.url}/{TRACKER}: expected an iteration number or 'release', found {text!r}")
+            if text != RELEASE and not _ITERATION.fullmatch(text):
+                raise CorruptCheckpointError(
+                    f"{location.url}/{TRACKER}: expected an iteration number or 'release', found {shown(text)}"
+                )
             iteration = text if text == RELEASE else int(text)
         elif present == [RELEASE]:
             iteration = RELEASE
@@ -78,13 +100,25 @@ def first_rank_file(location: Location, iteration_dir: str) -> str:
     return posixpath.join(iteration_dir, ranks[0], MODEL_FILE)
 
 
-def parallelism(location: Location, iteration_dir: str, args: Namespace | None) -> Parallelism:
-    """TP/PP/EP sizes from ``args``, else from the directory names."""
-    if args is not None and getattr(args, "tensor_model_parallel_size", None):
+def count_arg(args: Any, name: str, source: str) -> int | None:
+    """``args.<name>`` as a count; None when unset (absent, None or 0). Anything else that
+    is not a positive integer is corruption of ``source``, the file ``args`` came from."""
+    value = getattr(args, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CorruptCheckpointError(f"{source}: args.{name} is {shown(value)}, expected a positive integer")
+    return value or None
+
+
+def parallelism(location: Location, iteration_dir: str, args: Any, source: str) -> Parallelism:
+    """TP/PP/EP sizes from ``args`` (saved in ``source``), else from the directory names."""
+    tp = count_arg(args, "tensor_model_parallel_size", source)
+    if tp:
         return Parallelism(
-            int(args.tensor_model_parallel_size),
-            int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
-            int(getattr(args, "expert_model_parallel_size", 1) or 1),
+            tp,
+            count_arg(args, "pipeline_model_parallel_size", source) or 1,
+            count_arg(args, "expert_model_parallel_size", source) or 1,
         )
     numbers = [
         [int(g) for g in m.groups() if g is not None]
@@ -98,18 +132,27 @@ def parallelism(location: Location, iteration_dir: str, args: Namespace | None) 
 
 
 def rank_files(location: Location, iteration_dir: str, sizes: Parallelism) -> dict[tuple[int, int, int], str]:
-    """Every (tp, pp, ep) -> file; raises naming the coordinates of any that is missing."""
-    present = set(location.listdir(iteration_dir))
-    files, missing = {}, []
-    for tp, pp, ep in sizes.coordinates():
-        directory = sizes.rank_dir(tp, pp, ep)
-        path = posixpath.join(iteration_dir, directory, MODEL_FILE)
-        if directory not in present or not location.exists(path):
-            missing.append(f"{path} (TP rank {tp}, PP rank {pp}, EP rank {ep})")
-        files[(tp, pp, ep)] = path
-    if missing:
-        raise CheckpointError(
-            f"{location.url}: incomplete legacy checkpoint for TP={sizes.tp} x PP={sizes.pp} x EP={sizes.ep}: "
-            f"missing {'; '.join(missing)}"
-        )
-    return files
+    """Every (tp, pp, ep) -> file; raises naming the coordinates of the first missing ones.
+
+    Work follows the directories present, not the sizes ``args`` claims (TP=PP=100000
+    would be 10**10 rank files to list): each present one is checked, then the first
+    few absent coordinates are named and the rest counted.
+    """
+    found = {}
+    for name in location.listdir(iteration_dir):
+        coordinates = sizes.coordinates_of(name)
+        path = posixpath.join(iteration_dir, name, MODEL_FILE)
+        if coordinates is not None and location.exists(path):
+            found[coordinates] = path
+    if len(found) == sizes.ranks:
+        return dict(sorted(found.items()))
+    absent = itertools.islice((c for c in sizes.coordinates() if c not in found), _LISTED)
+    missing = [
+        f"{posixpath.join(iteration_dir, sizes.rank_dir(*c), MODEL_FILE)} (TP rank {c[0]}, PP rank {c[1]}, EP rank {c[2]})"
+        for c in absent
+    ]
+    more = sizes.ranks - len(found) - len(missing)
+    raise CorruptCheckpointError(
+        f"{location.url}: incomplete legacy checkpoint for TP={sizes.tp} x PP={sizes.pp} x EP={sizes.ep}: "
+        f"missing {'; '.join(missing)}" + (f" and {more:,} more" if more else "")
+    )

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_ext import ShardLoadPlanner, ShardReader
-from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.megatron import MegatronOptions, load_common_state
 
 from megatron_fixtures import write_legacy
@@ -214,3 +214,62 @@ def test_storage_offsets_point_at_the_stored_bytes(tmp_path):
             assert torch.equal(torch.frombuffer(data, dtype=tensor.dtype), storages[key].reshape(-1)), key
     with pytest.raises(CorruptCheckpointError, match="did not report where this tensor's bytes are stored"):
         stored_at(torch.empty(3, device="meta"), "made on the meta device")
+
+
+def _tamper(root, edit) -> str:
+    """A TP1 checkpoint whose rank file (and directory) ``edit(state, root)`` changed."""
+    write_legacy(str(root), tp=1, pp=1, num_layers=2)
+    path = rank_file(root, "iter_0000020", "mp_rank_00")
+    state = torch.load(path, weights_only=False)  # our own fresh file
+    edit(state, root)
+    torch.save(state, path)
+    return path
+
+
+def _set_args(**values):
+    return lambda state, root: [setattr(state["args"], k, v) for k, v in values.items()]
+
+
+def _nest(state, depth: int) -> None:
+    node = state["model"]
+    for _ in range(depth):
+        node["n"] = {}
+        node = node["n"]
+
+
+HOSTILE = {  # allowlisted values a hand-made rank file can hold: (edit, where, message)
+    "model containing itself": (lambda s, r: s["model"].__setitem__("loop", s["model"]), "model_optim_rng.pt entry 'model'",
+                                "'loop' is a dict met twice"),
+    "dict shared twice": (lambda s, r: s["model"].update(a=(d := {"x": torch.ones(1)}), b=d), "model_optim_rng.pt entry 'model'",
+                          "'b' is a dict met twice"),
+    "dicts 40 deep": (lambda s, r: _nest(s, 40), "model_optim_rng.pt entry 'model'", "nests dicts more than 16 deep"),
+    "negative TP": (_set_args(tensor_model_parallel_size=-1), "model_optim_rng.pt",
+                    "args.tensor_model_parallel_size is -1, expected a positive integer"),
+    "TP as text": (_set_args(tensor_model_parallel_size="two"), "model_optim_rng.pt",
+                   "args.tensor_model_parallel_size is 'two', expected a positive integer"),
+    "experts as text": (_set_args(num_experts="x"), "model_optim_rng.pt", "args.num_experts is 'x', expected a positive integer"),
+    "superscript iteration": (lambda s, r: (r / "latest_checkpointed_iteration.txt").write_text("\u00b2"),
+                              "latest_checkpointed_iteration.txt", "found '\u00b2'"),
+    "5000-digit iteration": (lambda s, r: (r / "latest_checkpointed_iteration.txt").write_text("1" * 5000),
+                             "latest_checkpointed_iteration.txt", "found '1111"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_values_in_a_rank_file_are_corruption_naming_it(tmp_path, case):
+    edit, where, message = HOSTILE[case]
+    _tamper(tmp_path, edit)
+    with pytest.raises(CorruptCheckpointError) as err:
+        ShardReader(tmp_path).read_metadata()
+    assert where in str(err.value) and message in str(err.value) and len(str(err.value)) < 500
+
+
+def test_parallel_sizes_beyond_the_rank_directories_present_are_named_briefly(tmp_path):
+    # args claim TP=PP=300: 90,000 rank files, of which one directory exists (its name is no
+    # PP>1 name); the message names the first few and counts the rest (it listed all: 6 MB)
+    _tamper(tmp_path, _set_args(tensor_model_parallel_size=300, pipeline_model_parallel_size=300))
+    with pytest.raises(CorruptCheckpointError, match="incomplete legacy checkpoint for TP=300 x PP=300 x EP=1") as err:
+        ShardReader(tmp_path).read_metadata()
+    message = str(err.value)
+    assert "mp_rank_00_000/model_optim_rng.pt (TP rank 0, PP rank 0, EP rank 0)" in message
+    assert message.endswith("and 89,992 more") and len(message) < 1000
