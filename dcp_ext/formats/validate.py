@@ -33,6 +33,12 @@ def _non_negative_ints(values: Any) -> bool:
     return all(type(v) is _INT and v >= 0 for v in values)
 
 
+def is_dims(value: Any) -> bool:
+    """A shape read from JSON or a pickle: a list or tuple of sizes a ``torch.Size`` holds
+    (ints, not bools or floats, 0 to 2**63-1)."""
+    return isinstance(value, (list, tuple)) and _non_negative_ints(value) and all(v < 2**63 for v in value)
+
+
 def items_from_storage_data(metadata: Metadata, source: str) -> dict[MetadataIndex, StoredItem]:
     """Stored-item locations from a pickled metadata's ``storage_data``."""
     if not isinstance(metadata.storage_data, dict):

@@ -17,12 +17,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.formats.faults import shown
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, numel
+from dcp_ext.formats.validate import is_dims
 from dcp_ext.megatron.base import Box, IncompleteSaveError, MegatronOptions, tensor_metadata
 from dcp_ext.megatron.flat_range import flat_index, flat_range_boxes
 from dcp_ext.megatron.tp_replica import merge_tp_replica_keys
 from dcp_ext.runtime.lru import Lru
+from dcp_ext.storage.catalog import METADATA_NAME
 from dcp_ext.storage.location import Location
 
 if TYPE_CHECKING:
@@ -72,8 +75,8 @@ def check_complete(location: Location, backend: str, options: MegatronOptions) -
 def read_metadata_json(location: Location) -> dict[str, Any]:
     try:
         config = json.loads(location.read_bytes(METADATA_JSON))
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{location.url}/{METADATA_JSON}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
+        raise CorruptCheckpointError(f"{location.url}/{METADATA_JSON}: not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"{location.url}/{METADATA_JSON}: expected a JSON object")
     return config
@@ -97,15 +100,34 @@ def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptio
     cached = _VIEWS.get(id(catalog), lambda entry: entry[0] is catalog)
     if cached is not None:
         return cached[1]
-    shapes = {
-        key: tuple(data[REFORMULATED])
-        for key, data in (getattr(catalog.metadata, "mcore_data", None) or {}).items()
-        if isinstance(data, dict) and data.get(REFORMULATED) is not None
-    }
+    shapes = _reformulated_shapes(catalog)
     view = _restore_flattened(location, catalog, shapes) if shapes else catalog
     view = merge_tp_replica_keys(view)
     _VIEWS.put(id(catalog), (catalog, view))
     return view
+
+
+def _reformulated_shapes(catalog: Catalog) -> dict[str, tuple[int, ...]]:
+    """Key -> original global shape of each tensor saved with a flattened range, from the
+    ``mcore_data`` Megatron adds to ``.metadata`` (checked: it comes from the file)."""
+    where = f"{catalog.url}/{METADATA_NAME}"
+    mcore_data = getattr(catalog.metadata, "mcore_data", None)
+    if mcore_data is None:
+        return {}
+    if not isinstance(mcore_data, dict):
+        raise CorruptCheckpointError(f"{where}: mcore_data is a {type(mcore_data).__name__}, expected a dict by key")
+    shapes = {}
+    for key, data in mcore_data.items():
+        shape = data.get(REFORMULATED) if isinstance(data, dict) else None
+        if shape is None:
+            continue
+        if not is_dims(shape):
+            raise CorruptCheckpointError(
+                f"{where}: mcore_data[{shown(key)}][{REFORMULATED!r}] is {shown(shape)}, "
+                "expected a list of sizes (integers 0 to 2**63-1)"
+            )
+        shapes[key] = tuple(shape)
+    return shapes
 
 
 def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, tuple[int, ...]]) -> Catalog:
@@ -145,7 +167,7 @@ def _reformulated_md(catalog: Catalog, key: str) -> TensorStorageMetadata:
 def _local_shape(url: str, key: str, shape: tuple[int, ...], stored: tuple[int, ...]) -> tuple[int, ...]:
     """The per-rank block shape: global / fragmentation on every axis."""
     grid = stored[:-1]
-    if len(grid) != len(shape) or any(g <= 0 or s % g for s, g in zip(shape, grid)):
+    if not stored or len(grid) != len(shape) or any(g <= 0 or s % g for s, g in zip(shape, grid)):
         raise CorruptCheckpointError(
             f"{url}: key {key!r} is stored as {list(stored)}, which is no reformulation of {list(shape)}"
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import posixpath
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.faults import shown
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel
+from dcp_ext.formats.validate import is_dims
 from dcp_ext.megatron.base import MegatronOptions, build_metadata, tensor_metadata
 from dcp_ext.megatron.torch_dist import COMMON_PT, METADATA_JSON, check_complete
 from dcp_ext.storage.catalog import Catalog
@@ -43,15 +46,26 @@ class ZarrArray:
     separator: str
     order: str  # "C" or "F": the byte order of elements inside a chunk file
 
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(n // c for n, c in zip(self.shape, self.chunks))
+
     def chunk_file(self, offsets: tuple[int, ...]) -> str:
         name = self.separator.join(str(o // c) for o, c in zip(offsets, self.chunks)) or "0"
         return f"{self.path}/{name}"
 
 
-def find_entries(location: Location) -> tuple[list[str], list[str]]:
-    """(array directories, ShardedObject ``.pt`` files), relative to the checkpoint."""
+def find_entries(location: Location) -> tuple[dict[str, int], list[str]]:
+    """(array directory -> the chunk files below it, ShardedObject ``.pt`` files), relative
+    to the checkpoint."""
     names = location.walk()
-    arrays = sorted(posixpath.dirname(n) for n in names if posixpath.basename(n) == ZARRAY and "/" in n)
+    arrays = dict.fromkeys(sorted(posixpath.dirname(n) for n in names if posixpath.basename(n) == ZARRAY and "/" in n), 0)
+    for name in names:
+        parent = posixpath.dirname(name)
+        while parent and parent not in arrays:  # chunk files nest with dimension_separator "/"
+            parent = posixpath.dirname(parent)
+        if parent and not posixpath.basename(name).startswith("."):  # not .zarray, .zattrs
+            arrays[parent] += 1
     objects = sorted(n for n in names if n.endswith(".pt") and "/" in n and n != COMMON_PT)
     return arrays, objects
 
@@ -64,12 +78,15 @@ def parse_zarray(location: Location, path: str) -> ZarrArray:
     where = f"{location.url}/{path}/{ZARRAY}"
     try:
         meta = json.loads(location.read_bytes(f"{path}/{ZARRAY}"))
-        shape, chunks = tuple(int(n) for n in meta["shape"]), tuple(int(n) for n in meta["chunks"])
+        shape, chunks = _dims(meta, "shape", where), _dims(meta, "chunks", where)
         dtype = _torch_dtype(meta["dtype"], where)
         order = meta.get("order", "C")
+        separator = meta.get("dimension_separator") or "."
         codecs = {name: meta.get(name) for name in ("compressor", "filters")}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: unreadable zarr metadata ({type(exc).__name__}: {exc})") from None
+    if separator not in (".", "/"):
+        raise CorruptCheckpointError(f"{where}: dimension_separator is {shown(separator)}, expected '.' or '/'")
     if any(codecs.values()) or order not in ("C", "F"):
         raise CheckpointError(
             f"{where}: array {path!r} is stored with {codecs} and order {order!r}; ShardReader reads the "
@@ -80,10 +97,20 @@ def parse_zarray(location: Location, path: str) -> ZarrArray:
             f"{where}: array {path!r} has shape {list(shape)} but chunks {list(chunks)}; Megatron writes one "
             "chunk per rank's shard, so every dimension must be a whole number of chunks"
         )
-    return ZarrArray(path, shape, chunks, dtype, meta.get("dimension_separator") or ".", order)
+    return ZarrArray(path, shape, chunks, dtype, separator, order)
+
+
+def _dims(meta: dict[str, Any], field: str, where: str) -> tuple[int, ...]:
+    """``shape`` or ``chunks``: a list of sizes (not floats, which ``int()`` would truncate)."""
+    value = meta[field]
+    if not is_dims(value):
+        raise CorruptCheckpointError(f"{where}: {field} is {shown(value)}, expected a list of sizes (integers 0 to 2**63-1)")
+    return tuple(value)
 
 
 def _torch_dtype(name: str, where: str) -> torch.dtype:
+    if not isinstance(name, str):  # np.dtype(None) is float64
+        raise CorruptCheckpointError(f"{where}: dtype is {shown(name)}, expected a numpy dtype name")
     if name == "bfloat16":  # Megatron's name for raw little-endian bfloat16
         return torch.bfloat16
     dtype = np.dtype(name)
@@ -96,8 +123,10 @@ def read_zarr_catalog(location: Location, options: MegatronOptions | None) -> Ca
     """The checkpoint as a catalog: each zarr chunk file is one stored chunk, read by byte
     ranges like any other (Megatron writes them uncompressed, raw C- or F-order bytes)."""
     check_complete(location, "zarr", options or MegatronOptions())
-    array_paths, object_paths = find_entries(location)
-    arrays = [parse_zarray(location, path) for path in array_paths]
+    chunk_files, object_paths = find_entries(location)
+    arrays = [parse_zarray(location, path) for path in chunk_files]
+    for array in arrays:
+        _check_chunk_files(location, array, chunk_files[array.path])
     items: dict[MetadataIndex, StoredItem] = {}
     layouts: dict[MetadataIndex, TensorLayout] = {}
     for array in arrays:
@@ -128,6 +157,23 @@ def read_zarr_catalog(location: Location, options: MegatronOptions | None) -> Ca
 
 def zarr_signature(location: Location, options: MegatronOptions | None) -> tuple[Any, ...]:
     return (location.signature(METADATA_JSON),)
+
+
+def _check_chunk_files(location: Location, array: ZarrArray, files: int) -> None:
+    """Refuse a chunk grid the directory does not back, before enumerating it.
+
+    Megatron writes every chunk (``fill_value`` None, ``write_empty_chunks=True``), so a
+    missing chunk file is a lost one, reported by a load that needs it (loads of other
+    chunks go on). But a ``.zarray`` of a few bytes can claim billions of chunks: an array
+    missing more chunk files than it holds (beyond one) is corrupt.
+    """
+    missing = array.chunk_count - files
+    if missing > max(files, 1):
+        raise CorruptCheckpointError(
+            f"{location.url}/{array.path}/{ZARRAY}: array {array.path!r} of shape {shown(list(array.shape))} in chunks of "
+            f"{shown(list(array.chunks))} has {array.chunk_count:,} chunks, of which its directory holds {files:,}; "
+            "Megatron writes every chunk"
+        )
 
 
 def _grid(array: ZarrArray) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

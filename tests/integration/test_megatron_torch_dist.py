@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
+import shutil
 
 import pytest
 import torch
 
-from dcp_ext import ShardReader
+from dcp_ext import CorruptCheckpointError, ShardReader
 from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
 
 from megatron_fixtures import COMMON, FLAT, OBJECTS, write_torch_dist
 from mp import run_job
-from support import dtensor_load_job, load_error, load_tensors
+from support import FIXTURES, dtensor_load_job, load_error, load_tensors
 
 
 @pytest.mark.parametrize("common", ["common.pt", "object"])
@@ -47,3 +49,50 @@ def test_plain_dcp_checkpoints_are_untouched(tmp_path):
     dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(tmp_path))
     load_tensors(tmp_path, {"w": torch.arange(6.0)})
     assert not os.path.exists(tmp_path / "metadata.json")
+
+
+TORCH_DIST_FIXTURE = FIXTURES / "megatron" / "mcore016_tp2_dp2_ep2"  # written by megatron-core 0.16.1
+NORM = "decoder.final_layernorm.weight"
+
+
+def _real_torch_dist(tmp_path, mcore_data=None):
+    """A copy of the real fixture, ``mcore_data`` set on its ``.metadata`` when given."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(TORCH_DIST_FIXTURE, root)
+    if mcore_data is not None:
+        with open(root / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # the committed fixture: trusted here
+        metadata.mcore_data = mcore_data
+        with open(root / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+    return root
+
+
+def _reformulated(shape):
+    return {NORM: {"nd_reformulated_orig_global_shape": shape}}
+
+
+@pytest.mark.parametrize(
+    "mcore_data, message",
+    [
+        ([1, 2], "mcore_data is a list, expected a dict by key"),
+        ("abc", "mcore_data is a str, expected a dict by key"),
+        (_reformulated(["a"]), r"mcore_data\['decoder.final_layernorm.weight'\]\['nd_reformulated_orig_global_shape'\] is \['a'\]"),
+        (_reformulated([None]), r"is \[None\], expected a list of sizes"),
+        (_reformulated([2**70]), r"is \[1180591620717411303424\], expected a list of sizes"),
+        (_reformulated(7), "is 7, expected a list of sizes"),
+    ],
+    ids=["list", "str", "text-size", "none-size", "2**70", "int"],
+)
+def test_malformed_mcore_data_is_corruption_naming_the_file(tmp_path, mcore_data, message):
+    root = _real_torch_dist(tmp_path, mcore_data)
+    with pytest.raises(CorruptCheckpointError, match=message) as err:
+        ShardReader(root).read_metadata()
+    assert str(err.value).startswith(f"{root}/.metadata: ")
+
+
+def test_deeply_nested_metadata_json_is_corruption_naming_it(tmp_path):
+    root = _real_torch_dist(tmp_path)
+    (root / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CorruptCheckpointError, match=r"metadata.json: not valid JSON \(RecursionError"):
+        ShardReader(root).read_metadata()

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
-from dcp_ext import ShardReader
+from dcp_ext import CorruptCheckpointError, ShardReader
 from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
 
 from megatron_fixtures import COMMON, write_zarr
 from mp import run_job
-from support import dtensor_load_job, load_error, load_tensors
+from support import FIXTURES, dtensor_load_job, load_error, load_tensors
 
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
 
@@ -69,3 +70,61 @@ def test_two_stage_without_a_process_group_is_an_error(tmp_path):
     save(sample_state(), tmp_path)
     with pytest.raises(InvalidRequestError, match=r"two_stage=True\) exchanges bytes between ranks and needs"):
         ShardReader(tmp_path, two_stage=True).read_metadata()
+
+
+ZARR_FIXTURE = FIXTURES / "megatron" / "mcore012_zarr_tp2"  # written by megatron-core 0.12.2
+EMB = "embedding.word_embeddings.weight"  # shape [18, 10] in chunks [9, 10]: files 0.0 and 1.0
+
+
+def _real_zarr(tmp_path, zarray_text: str | None = None):
+    """A copy of the real fixture, the word embedding's .zarray replaced by ``zarray_text``."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(ZARR_FIXTURE, root)
+    if zarray_text is not None:
+        (root / EMB / ".zarray").write_text(zarray_text)
+    return root
+
+
+def _zarray(**changes) -> str:
+    return json.dumps(json.loads((ZARR_FIXTURE / EMB / ".zarray").read_text()) | changes)
+
+
+def test_chunk_grid_its_directory_does_not_hold_is_refused_before_it_is_built(tmp_path):
+    # 1,000 chunks claimed, 2 files: enumerated whole before (shape [N, N] in chunks [1, 1]: N**2)
+    root = _real_zarr(tmp_path, _zarray(shape=[9000, 10]))
+    with pytest.raises(CorruptCheckpointError) as err:
+        ShardReader(root).read_metadata()
+    assert f"{EMB}/.zarray: array '{EMB}'" in str(err.value)
+    assert "has 1,000 chunks, of which its directory holds 2" in str(err.value)
+
+
+def test_lost_chunk_files_fail_only_the_loads_that_need_them(tmp_path):
+    # megatron-core writes every chunk (fill_value None, write_empty_chunks=True)
+    root = _real_zarr(tmp_path)
+    os.remove(root / EMB / "1.0")
+    os.remove(root / "decoder.final_layernorm.weight" / "0")  # its only chunk
+    metadata = ShardReader(root).read_metadata()
+    assert len(metadata.state_dict_metadata[EMB].chunks) == 2
+    err = load_error({EMB: torch.zeros(18, 10)}, root)
+    assert EMB in str(err) and "1.0" in str(err)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (_zarray(dtype=None), "dtype is None, expected a numpy dtype name"),  # np.dtype(None) is float64
+        (_zarray(shape=[-18, 10]), r"shape is \[-18, 10\], expected a list of sizes"),  # -18 % 9 == 0
+        (_zarray(shape=[18.9, 10]), r"shape is \[18.9, 10\], expected a list of sizes"),  # int() truncated it
+        (_zarray(shape=[2**70, 10], chunks=[2**69, 10]), r"shape is \[1180591620717411303424, 10\]"),
+        (_zarray(shape=[0]).replace("[0]", "[1e400, 10]"), r"shape is \[inf, 10\]"),
+        (_zarray(chunks=[True, 10]), r"chunks is \[True, 10\]"),
+        (_zarray(dimension_separator=5), "dimension_separator is 5, expected '.' or '/'"),
+        ("[" * 100_000 + "]" * 100_000, "unreadable zarr metadata \\(RecursionError"),
+    ],
+    ids=["dtype-null", "negative", "float", "2**70", "1e400", "bool", "separator", "nested"],
+)
+def test_malformed_zarray_is_corruption_naming_the_file(tmp_path, text, message):
+    root = _real_zarr(tmp_path, text)
+    with pytest.raises(CorruptCheckpointError, match=message) as err:
+        ShardReader(root).read_metadata()
+    assert str(err.value).startswith(f"{root}/{EMB}/.zarray: ")
