@@ -35,6 +35,11 @@ def chunk_outside_tensor(source: str, fqn: str, offsets: Any, sizes: Any, shape:
     )
 
 
+def file_too_short(where: str, end: int, size: int) -> CorruptCheckpointError:
+    """An item's byte range runs past its file: checked before a buffer of that size is made."""
+    return CorruptCheckpointError(f"{where}: item needs bytes up to {end} but the file has {size} bytes (truncated?)")
+
+
 def record_too_small(
     source: str, fqn: str, offsets: Any, nbytes: int, file: str, offset: int, length: int, payload: int
 ) -> CorruptCheckpointError:

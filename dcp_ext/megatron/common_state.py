@@ -8,6 +8,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.formats.faults import file_too_short
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.detect import detect_format
 from dcp_ext.megatron.legacy import LegacyCheckpoint
@@ -47,9 +48,19 @@ def load_common_state(
         key = common_state_key(catalog.metadata)
         if key is not None:
             item = catalog.item(MetadataIndex(key))
+            where = f"{location.url}/{item.relative_path} key {key!r}"
+            _check_holds(location, item.relative_path, item.offset + item.length, where)
             with location.open_reader(item.relative_path, key) as reader:
                 buf = bytearray(item.length)
                 reader.read_into(item.offset, [memoryview(buf)])
-            state = safe_torch_load(bytes(buf), f"{location.url}/{item.relative_path} key {key!r}")
+            state = safe_torch_load(bytes(buf), where)
             return state[0] if isinstance(state, list) and len(state) == 1 else state
     raise CheckpointError(f"{location.url}: no Megatron common state ({COMMON_PT} or a common_state object)")
+
+
+def _check_holds(location: Location, path: str, end: int, where: str) -> None:
+    """The file holds bytes up to ``end``, checked before a buffer that long is allocated:
+    the metadata may claim gigabytes of a small file. (A missing file: opening it says so.)"""
+    size = location.size(path)
+    if size is not None and end > size:
+        raise file_too_short(where, end, size)

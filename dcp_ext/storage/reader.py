@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
+from dcp_ext.formats.faults import file_too_short
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
@@ -410,9 +411,7 @@ class ShardReader(StorageReader):
             if size is None:
                 raise self._missing(path, key)
             if end > size:
-                raise CorruptCheckpointError(
-                    f"{self._where(path, key)}: item needs bytes up to {end} but the file has {size} bytes (truncated?)"
-                )
+                raise file_too_short(self._where(path, key), end, size)
 
     def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
         """The tensor layout of each plan item's record (None: read whole, a bytes item or a

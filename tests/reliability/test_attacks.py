@@ -13,8 +13,10 @@ import io
 import os
 import pickle
 import re
+import shutil
 import struct
 import subprocess
+import tracemalloc
 import zipfile
 
 import pyarrow as pa
@@ -38,9 +40,10 @@ from dcp_ext import (
 )
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
+from dcp_ext.megatron import load_common_state
 
 from megatron_fixtures import write_zarr
-from support import assert_state_dict_equal, load, load_error, local_save_plans, sample_state, save
+from support import FIXTURES, assert_state_dict_equal, load, load_error, local_save_plans, sample_state, save
 
 
 class Payload:
@@ -551,3 +554,24 @@ def test_compressed_record_that_expands_without_bound_is_refused(tmp_path):
     write_metadata_pickle(tmp_path, metadata)
     error = load_error(state, tmp_path)
     assert isinstance(error, CorruptCheckpointError) and "'w'" in str(error) and "expand past 65540 bytes" in str(error)
+
+
+def test_common_state_claiming_more_bytes_than_its_file_is_refused_before_allocating(tmp_path):
+    """load_common_state read a bytes item into a buffer of its claimed length first: a
+    4 GiB claim in a 150 KB file allocated 4 GiB. Now the file size is checked, as loads do."""
+    shutil.copytree(FIXTURES / "megatron" / "mcore019_tp2_dp2_ep2", tmp_path / "ckpt")  # written by megatron-core 0.19.2
+
+    def inflate(md):
+        index = next(i for i in md.storage_data if i.fqn == "common_state/shard_0_1")
+        md.storage_data[index].length = 64 << 20  # kept small: before the fix this was allocated
+
+    rewrite_metadata(tmp_path / "ckpt", inflate)
+    tracemalloc.start()
+    try:
+        needs = r"__0_0.distcp key 'common_state/shard_0_1': item needs bytes up to 67110189 but the file has \d+ bytes \(truncated"
+        with pytest.raises(CorruptCheckpointError, match=needs):
+            load_common_state(tmp_path / "ckpt")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
