@@ -104,6 +104,16 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         self._local_items: list[WriteItem] = []
         self._chunks: ChunkMemo = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """DCP pickles the planner into its checkpoint process (``AsyncCheckpointerType.PROCESS``),
+        where the training process's group does not exist."""
+        if self.group is not None:
+            raise InvalidRequestError(
+                "ShardSavePlanner(group=...) cannot go to DCP's checkpoint process (AsyncCheckpointerType.PROCESS): "
+                "a process group belongs to the process that made it; save with the THREAD executor, or without group="
+            )
+        return self.__dict__.copy()
+
     def create_local_plan(self) -> SavePlan:
         group = exchange_group(self.group) if self.group is not None else False
         try:

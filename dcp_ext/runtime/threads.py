@@ -10,6 +10,9 @@ by torchrun and most launchers), so eight ranks on a 64-core node do not each st
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from dcp_ext.runtime.options import positive_int
 
@@ -28,3 +31,31 @@ def io_thread_count(requested: int | None = None, owner: str = "") -> int:
 def _ranks_on_node() -> int:
     text = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+T = TypeVar("T")
+
+
+def run_parallel(calls: Sequence[Callable[[], T]], name: str) -> list[T]:
+    """Each call on a thread of its own; their results in order, or the first call's error
+    once all have ended. Plain threads, not ``concurrent.futures``: that refuses new work
+    once the interpreter begins to exit, and an ``async_save`` nobody waited for finishes
+    during exit (DCP's executor thread is joined then; stock's writer threads still start)."""
+    results: list[T | None] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # handed to the caller below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results  # type: ignore[return-value]

@@ -46,7 +46,8 @@ class Location(ABC):
 
     def __new__(cls, path: str | os.PathLike[str] | None = None, storage_options: dict[str, Any] | None = None) -> Location:
         if cls is Location:  # (unpickling calls a subclass's __new__ without arguments)
-            assert path is not None
+            if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+                raise InvalidRequestError(f"a checkpoint is a directory path or URL, got {path!r}")
             cls = FsspecLocation if _is_url(os.fspath(path)) else LocalLocation
         return super().__new__(cls)
 

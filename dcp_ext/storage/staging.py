@@ -44,7 +44,9 @@ import concurrent.futures
 import copy
 import dataclasses
 import os
+import pickle
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -297,6 +299,13 @@ class AsyncStagingMixin(AsyncStager):
         state["_pending_save"] = None  # futures do not pickle; the child never stages
         state["_starting"] = None  # locks do not pickle; the child never starts a save
         state["_stager_thread"] = None
+        if not _picklable(self.on_report):  # README: the checkpoint process calls a picklable one only
+            warnings.warn(
+                f"ShardWriter(on_report={self.on_report!r}) cannot be pickled into DCP's checkpoint process "
+                "(AsyncCheckpointerType.PROCESS): it is not called for this save; pass a module-level function",
+                stacklevel=2,
+            )
+            state["on_report"] = None
         return state
 
     # -- helpers -----------------------------------------------------------------------------
@@ -313,3 +322,11 @@ class AsyncStagingMixin(AsyncStager):
                 f"background; the directory holds the last checkpoint that committed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # whatever pickling raises (local functions, locks, open files)
+        return False
+    return True

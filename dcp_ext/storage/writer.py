@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import pickle
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import crc32c
@@ -22,7 +22,7 @@ from dcp_ext.errors import CheckpointError, CheckpointExistsError, InvalidReques
 from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
-from dcp_ext.runtime.threads import io_thread_count
+from dcp_ext.runtime.threads import io_thread_count, run_parallel
 from dcp_ext.formats.index import StoredItem, encode_index
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.torch_record import RecordSink, numel, write_bytes, write_tensor
@@ -285,14 +285,11 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         buckets = split_by_bytes(plan.items, self.thread_count)
         results: list[WriteResult] = []
         copies = HostCopies()  # device tensors' bytes through bounded host buffers (made on first use)
-        if buckets:
-            with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix="dcp_ext-write") as pool:
-                futures = [
-                    pool.submit(self._write_file, prefix.file_name(n), bucket, planner, copies)
-                    for n, bucket in enumerate(buckets)
-                ]
-                for future in futures:
-                    results.extend(future.result())
+        calls = [
+            functools.partial(self._write_file, prefix.file_name(n), bucket, planner, copies) for n, bucket in enumerate(buckets)
+        ]
+        for written in run_parallel(calls, "dcp_ext-write"):
+            results.extend(written)
         return results
 
     @gc_paused()  # a million-chunk save builds and pickles millions of objects, no garbage

@@ -39,6 +39,8 @@ import concurrent.futures
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -69,6 +71,7 @@ from support import (
     distributed_state,
     garbage_like,
     load,
+    load_tensors,
     make_globals,
     rss_bytes,
     sample_state,
@@ -591,6 +594,32 @@ def test_writer_is_its_own_stager_and_pickles_without_buffers(tmp_path):
     assert not pickle.loads(pickle.dumps(ShardWriter(tmp_path, reuse_staging=False))).staging.reuse
 
 
+def report_to_module_function(report) -> None:  # picklable: travels to the checkpoint process
+    pass
+
+
+def test_an_on_report_that_cannot_travel_to_the_checkpoint_process_is_dropped_with_a_warning(tmp_path):
+    """The process executor pickles the writer: a lambda failed the whole save."""
+    kept = pickle.loads(pickle.dumps(ShardWriter(tmp_path, on_report=report_to_module_function)))
+    assert kept.on_report is report_to_module_function
+    with pytest.warns(UserWarning, match=r"ShardWriter\(on_report=.*lambda.*\) cannot be pickled into DCP's checkpoint process"):
+        dropped = pickle.loads(pickle.dumps(ShardWriter(tmp_path, on_report=lambda report: None)))
+    assert dropped.on_report is None
+
+
+def pickle_planner_with_group_job(rank: int, world: int) -> None:
+    ShardSavePlanner(group=dist.group.WORLD)  # usable in this process
+    with pytest.raises(InvalidRequestError, match=r"ShardSavePlanner\(group=\.\.\.\) cannot go to DCP's checkpoint process"):
+        pickle.dumps(ShardSavePlanner(group=dist.group.WORLD))
+    pickle.loads(pickle.dumps(ShardSavePlanner()))
+
+
+@pytest.mark.mp
+def test_a_planner_with_a_group_is_refused_by_name_for_the_checkpoint_process(tmp_path):
+    """Was a bare "cannot pickle ProcessGroup" from DCP's pipe on every rank."""
+    run_job(pickle_planner_with_group_job, 1)
+
+
 def test_direct_dcp_async_save_is_refused_with_reuse_staging_true(tmp_path):
     """dcp.async_save keeps its future from the writer, which then cannot know when a reused
     copy is free: reuse_staging=True refuses it before anything is staged or written."""
@@ -651,6 +680,31 @@ def test_a_plain_save_after_an_unawaited_async_one_runs_after_it(tmp_path):
     future.result(timeout=60)
     assert_state_dict_equal(load(sample_state(3), tmp_path)[0], sample_state(3))  # call order: the async one first
     writer.close()
+
+
+EXIT_WITHOUT_WAITING = """
+import sys, warnings
+import torch, torch.distributed.checkpoint as dcp
+from dcp_ext import ShardSavePlanner, ShardWriter
+warnings.filterwarnings("ignore")
+state = {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(3, 5)}
+if sys.argv[2] == "direct":
+    dcp.async_save(state, storage_writer=ShardWriter(sys.argv[1], thread_count=2), planner=ShardSavePlanner())
+else:
+    ShardWriter(sys.argv[1], thread_count=2).async_save(state, planner=ShardSavePlanner())
+"""  # the end of a training script: no .result()
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("how", ["direct", "writer.async_save"])
+def test_an_async_save_nobody_waits_for_is_finished_at_exit(tmp_path, how):
+    """Python joins DCP's save thread at exit, as it does for stock's FileSystemWriter; our
+    writer threads came from concurrent.futures, which refuses new work by then: the save
+    was dropped silently (rc 0, no checkpoint)."""
+    result = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_WAITING, str(tmp_path / "ckpt"), how],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    load_tensors(tmp_path / "ckpt", {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(3, 5)})
 
 
 def test_close_waits_and_raises_an_unreported_failure(tmp_path):

@@ -85,6 +85,14 @@ class _RunsCode:
         return os.system, (f"touch {self.canary}",)
 
 
+@pytest.mark.parametrize("make", [ShardWriter, ShardReader])
+@pytest.mark.parametrize("path", [None, "", 3])
+def test_a_checkpoint_that_is_no_path_is_refused_by_name(make, path):
+    """Was a bare AssertionError (and, for "", the current directory)."""
+    with pytest.raises(InvalidRequestError, match=r"a checkpoint is a directory path or URL, got "):
+        make(path)
+
+
 def test_a_string_false_never_opens_the_unsafe_path(tmp_path):
     """The canary is not created under the stock reader and DCP's default planner's
     unpickling either: ``ShardLoadPlanner(allow_unsafe_bytes="false")`` is refused."""
