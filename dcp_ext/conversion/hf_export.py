@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -190,7 +191,13 @@ def _loaded_batches(reader: ShardReader, batches: list[list[_Tensor]]) -> Iterat
 
 def _load_batch(reader: ShardReader, batch: list[_Tensor]) -> dict[str, torch.Tensor]:
     state = {t.key: torch.empty(t.shape, dtype=t.source_dtype) for t in batch}
-    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    try:
+        dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:  # one process: its one failure is the error to raise
+        failure = next(iter(exc.failures.values()), (None,))[0]
+        if isinstance(failure, Exception):
+            raise failure from None
+        raise
     return state
 
 

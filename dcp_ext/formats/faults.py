@@ -47,15 +47,3 @@ def record_too_small(
         f"{source}: tensor {fqn!r} chunk at {list(offsets)} needs {nbytes} bytes but its record in "
         f"{file!r} (bytes [{offset}, {offset + length}), tensor data at {payload}) cannot hold them"
     )
-
-
-def chunks_miscover_tensor(source: str, fqn: str, covered: int, shape: Any) -> CorruptCheckpointError:
-    """Chunks whose elements add up to more or less than the tensor: one missing, or one
-    overlapping another (a load would leave part of the destination as it was)."""
-    total = 1
-    for n in shape:
-        total *= int(n)
-    return CorruptCheckpointError(
-        f"{source}: tensor {fqn!r} of shape {list(shape)} has {total} elements but its chunks hold {covered}; "
-        "expected them to cover it exactly once (a chunk missing, or overlapping another)"
-    )

@@ -5,7 +5,7 @@ At a million chunks, checking every row of the job when the index opens costs ea
 The decoder checks per row what is cheap in one pass (dictionary codes, byte ranges,
 that each tensor row has one offset and one size per dimension); what needs a key's shape
 and its other rows (chunks inside the tensor, records large enough, no two chunks at one
-offset, chunks covering the tensor, every TP-replica copy copying a chunk) is checked here, for all rows of a key at
+offset, every TP-replica copy copying a chunk) is checked here, for all rows of a key at
 once, before any lookup answers from that key. So a load pays for the keys it asks
 about, a corrupt row still never reaches a read, and ``dcp-ext verify`` (which asks about
 every key) checks them all.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from dcp_ext.errors import CorruptCheckpointError
-from dcp_ext.formats.faults import chunk_outside_tensor, chunks_miscover_tensor, record_too_small
+from dcp_ext.formats.faults import chunk_outside_tensor, record_too_small
 
 if TYPE_CHECKING:
     from dcp_ext.formats.index import _Columns, _Keys
@@ -127,7 +127,6 @@ class KeyChecks:
         self._check_rows(np.repeat(ks, counts), rows, np.repeat(shapes, counts, axis=0), off, size)
         if self._canonical is None:
             self._check_unique(ks, bounds, off, shapes)
-            self._check_coverage(ks, counts, size, shapes)
         else:
             self._canonical.ensure_all(ks)
             for i, k in enumerate(ks.tolist()):  # copies: few keys have them
@@ -184,24 +183,6 @@ class KeyChecks:
             if same.any():
                 at = ordered[int(np.argmax(same))].tolist()
                 raise CorruptCheckpointError(f"{self._source}: key {self._keys.names[int(ks[i])]!r} has two index rows at offset {at}")
-
-    def _check_coverage(self, ks: np.ndarray, counts: np.ndarray, size: np.ndarray, shapes: np.ndarray) -> None:
-        """Each key's chunks hold as many elements as its tensor: none missing, none doubled
-        (as stock DCP checks a save's plan). In float64, exact here: every chunk's bytes fit
-        its record (``_check_rows``), so the sums are far below 2**53, and a tensor too large
-        to count exactly cannot equal them."""
-        held = np.ones(len(size))
-        for extent in size.T:
-            held *= extent
-        covered = np.bincount(np.repeat(np.arange(len(ks)), counts), weights=held, minlength=len(ks))
-        total = np.ones(len(ks))
-        for extent in shapes.T:
-            total *= extent
-        wrong = covered != total
-        if wrong.any():
-            i = int(np.argmax(wrong))
-            fqn = self._keys.names[int(ks[i])]
-            raise chunks_miscover_tensor(self._source, fqn, int(covered[i]), self._keys.state[fqn].size)
 
     def _check_copies(self, k: int, canonical: np.ndarray, copies: np.ndarray, shape: np.ndarray) -> None:
         """Every TP-replica copy row copies one of the key's canonical chunks."""

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats.faults import (
     chunk_outside_tensor,
-    chunks_miscover_tensor,
     invalid_byte_range,
     invalid_tensor_facts,
     record_too_small,
@@ -59,13 +58,10 @@ def check_metadata(
     items: dict[MetadataIndex, StoredItem],
     source: str,
     copies: dict[MetadataIndex, list[StoredItem]] | None = None,
-    whole_tensors: bool = True,
 ) -> None:
     """Raise CorruptCheckpointError/UnsafeCheckpointError naming the key on any fault.
 
     ``copies`` (TP-replica copies from our index) get the same checks as the chunk they copy.
-    ``whole_tensors``: each tensor's chunks hold as many elements as the tensor (False for
-    a rank's own metadata of a save without collectives, which holds that rank's chunks).
     """
     copies = copies or {}
     if not isinstance(metadata.state_dict_metadata, dict):
@@ -82,7 +78,7 @@ def check_metadata(
             if MetadataIndex(fqn) not in items:
                 raise CorruptCheckpointError(f"{source}: bytes item {fqn!r} has no stored location")
         elif isinstance(md, TensorStorageMetadata):
-            _check_tensor(fqn, md, items, copies, source, whole_tensors)
+            _check_tensor(fqn, md, items, copies, source)
         else:
             raise CorruptCheckpointError(f"{source}: key {fqn!r} has unknown metadata {type(md).__name__}")
 
@@ -104,14 +100,12 @@ def _check_tensor(
     items: dict[MetadataIndex, StoredItem],
     copies: dict[MetadataIndex, list[StoredItem]],
     source: str,
-    whole: bool,
 ) -> None:
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not _non_negative_ints(md.size):
         raise invalid_tensor_facts(source, fqn, dtype, md.size)
     if not isinstance(md.chunks, list):
         raise CorruptCheckpointError(f"{source}: tensor {fqn!r} has no chunk list")
-    covered = 0
     for chunk in md.chunks:
         offsets, sizes = chunk.offsets, chunk.sizes
         if (
@@ -126,9 +120,7 @@ def _check_tensor(
         item = items.get(index)
         if item is None:
             raise CorruptCheckpointError(f"{source}: tensor {fqn!r} chunk at {list(offsets)} has no stored location")
-        elements = numel(sizes)
-        covered += elements
-        nbytes = elements * dtype.itemsize
+        nbytes = numel(sizes) * dtype.itemsize
         for stored in (item, *copies.get(index, ())):
             if stored.transforms:  # compressed: any stored size; decoding is bounded instead
                 continue
@@ -138,8 +130,6 @@ def _check_tensor(
                 raise record_too_small(
                     source, fqn, offsets, nbytes, stored.relative_path, stored.offset, stored.length, stored.payload_offset
                 )
-    if whole and covered != numel(md.size):
-        raise chunks_miscover_tensor(source, fqn, covered, md.size)
 
 
 def chunk_faults(fqn: str, md: TensorStorageMetadata) -> list[str]:

@@ -397,14 +397,13 @@ def _records(decoded: IndexedCheckpoint | CorruptCheckpointError | None, metadat
 def _checked_catalog(
     location: Location, metadata: Metadata, source: str, signature: tuple[Any, ...], fingerprint: int,
     indexed: IndexedCheckpoint | None = None, committed: bool = True, index_name: str | None = None,
-    whole_tensors: bool = True,
 ) -> Catalog:
     """The catalog of an unpickled ``.metadata`` (items from the index that records it, or
     from its ``storage_data``), checked against each other (``check_metadata``)."""
     try:
         items = indexed.items if indexed is not None else items_from_storage_data(metadata, source)
         copies = indexed.copies if indexed is not None else {}
-        check_metadata(metadata, items, source, copies, whole_tensors)
+        check_metadata(metadata, items, source, copies)
         return Catalog(location.url, metadata, items, indexed is not None, committed, signature, copies,
                        fingerprint=fingerprint, index_name=index_name)
     except CheckpointError:
@@ -429,7 +428,7 @@ def read_rank_catalog(location: Location, rank: int) -> Catalog:
     except FileNotFoundError:
         raise CheckpointError(f"{location.url}: no committed checkpoint here (neither {METADATA_NAME} nor {name})") from None
     metadata = load_metadata_pickle(data, source)
-    catalog = _checked_catalog(location, metadata, source, (location.signature(name),), crc32c.crc32c(data), whole_tensors=False)
+    catalog = _checked_catalog(location, metadata, source, (location.signature(name),), crc32c.crc32c(data))
     catalog.saving_rank = rank
     return catalog
 

@@ -319,7 +319,15 @@ class LocalLocation(Location):
         return os.fdopen(open_regular_file(full), "rb")
 
     def local_file(self, name: str) -> str | None:
-        return self.path(name)
+        full = self.path(name)
+        with self._file_errors(name):
+            try:
+                mode = os.stat(full).st_mode
+            except FileNotFoundError:
+                return full  # the opener reports it
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                raise SpecialFileError(errno.EINVAL, "Not a regular file", full)  # torch.load would wait on a FIFO
+        return full
 
     def _range_reader(self, full: str) -> RangeReader:
         return LocalRangeReader(full)

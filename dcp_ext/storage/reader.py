@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
@@ -251,8 +252,7 @@ class ShardReader(StorageReader):
         commits: list[Callable[[], None]] = []
         try:
             stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
-            if catalog.saving_rank is not None:
-                self._check_rank_part_covers(catalog, catalog.saving_rank, plan, planner)
+            self._check_destinations_filled(catalog, plan, planner)
             self._check_files(plan.items, stored)
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
@@ -358,27 +358,48 @@ class ShardReader(StorageReader):
                 f"{METADATA_NAME})"
             )
 
-    def _check_rank_part_covers(self, catalog: Catalog, rank: int, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """A per-rank metadata describes what its rank saved, not whole tensors: a load at
-        another world size or layout would leave the rest of a destination as it was,
-        silently (as stock DCP does). Refused unless the reads fill every destination."""
+    def _check_destinations_filled(self, catalog: Catalog, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Every element of each tensor the load fills is read exactly once. DCP plans reads
+        for the parts of a destination some chunk covers and leaves the rest as it was,
+        silently (as stock does): a checkpoint one process saved alone (``dcp.save(no_dist=
+        True)`` of its own shards, a per-rank ``.metadata``) loaded into another layout, or
+        a ``.metadata`` whose chunks leave a gap. Chunks overlapping each other fill
+        elements twice, from two records. Both refused by key (one pass over the plan)."""
         state = getattr(planner, "state_dict", None)
         if not isinstance(state, dict):
             return
         read: dict[str, int] = {}
+        as_bytes: set[str] = set()  # stored numbers put into 0-d tensors
         for item in plan.items:
-            if item.type != LoadItemType.BYTE_IO:
+            if item.type == LoadItemType.BYTE_IO:
+                as_bytes.add(item.dest_index.fqn)
+            else:
                 read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
         saved = catalog.metadata.state_dict_metadata
         for fqn, value in state.items():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if isinstance(local, torch.Tensor) and fqn in saved and read.get(fqn, 0) < local.numel():
-                raise InvalidRequestError(
-                    f"{self.location.url}: key {fqn!r}: {rank_metadata_name(rank)} (a dcp.save(use_collectives=False)) "
-                    f"describes only what rank {rank} saved, {read.get(fqn, 0)} of the {local.numel()} elements this "
-                    "rank's destination needs; such a checkpoint loads at the saving world size, each rank into "
-                    "the layout it saved"
+            needed = _local_elements(value)
+            if needed is None or fqn in as_bytes or (fqn not in read and fqn not in saved):
+                continue
+            got = read.get(fqn, 0)
+            if got == needed:
+                continue
+            where = f"{self.location.url}: key {fqn!r}"
+            if got > needed:
+                raise CorruptCheckpointError(
+                    f"{where}: the checkpoint's chunks fill {got} elements into this rank's {needed}: chunks overlap "
+                    "each other (damaged metadata)"
                 )
+            if catalog.saving_rank is not None:
+                raise InvalidRequestError(
+                    f"{where}: {rank_metadata_name(catalog.saving_rank)} (a dcp.save(use_collectives=False)) describes "
+                    f"only what rank {catalog.saving_rank} saved, {got} of the {needed} elements this rank's destination "
+                    "needs; such a checkpoint loads at the saving world size, each rank into the layout it saved"
+                )
+            raise CheckpointError(
+                f"{where}: the checkpoint holds {got} of the {needed} elements this rank's destination needs; the rest "
+                "would keep their old values. A checkpoint one process saved alone (dcp.save(no_dist=True) of its own "
+                "shards) loads into the layout it saved; otherwise its metadata is damaged"
+            )
 
     def _missing(self, path: str, key: str) -> CheckpointError:
         """The error for a data file that is gone: a concurrent save retired it, or it was lost.
@@ -498,3 +519,14 @@ class ShardReader(StorageReader):
                 f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
             )
         return dest
+
+
+def _local_elements(value: Any) -> int | None:
+    """How many elements this rank's part of a state-dict value holds; None: no tensor."""
+    if isinstance(value, DTensor):
+        return value._local_tensor.numel()  # to_local() would build an autograd view per key
+    if isinstance(value, ShardedTensor):
+        return sum(shard.tensor.numel() for shard in value.local_shards())
+    if hasattr(type(value), "__create_chunk_list__"):  # DCP's hook for a tensor's local chunks (NTPShard)
+        return sum(math.prod(chunk.sizes) for chunk in value.__create_chunk_list__())
+    return value.numel() if isinstance(value, torch.Tensor) else None

@@ -300,6 +300,17 @@ def per_rank_metadata_job(rank: int, world: int, path: str) -> None:
         replicated = {"dt": distribute_tensor(garbage_like(full), mesh, [Replicate()])}
         dcp.load(replicated, storage_reader=ShardReader(path + "_dt"), planner=ShardLoadPlanner())
     assert f"describes only what rank {rank} saved, 12 of the 24 elements" in str(info.value)
+    # each rank saving its own shards alone (no_dist): a .metadata of the global shape with this rank's chunks
+    for writer in (dcp.FileSystemWriter, ShardWriter):
+        own = f"{path}_{writer.__name__}_{rank}"
+        dcp.save({"dt": distribute_tensor(full, mesh, [Shard(0)])}, storage_writer=writer(own), no_dist=True)
+        for reader in (dcp.FileSystemReader, ShardReader):
+            out = {"dt": distribute_tensor(garbage_like(full), mesh, [Shard(0)])}
+            dcp.load(out, storage_reader=reader(own), no_dist=True)
+            assert torch.equal(out["dt"].to_local(), full[3 * rank : 3 * rank + 3]), (writer, reader)
+        with pytest.raises(BaseException) as info:  # stock leaves the other rank's rows as they were
+            dcp.load({"dt": garbage_like(full)}, storage_reader=ShardReader(own), no_dist=True)
+        assert "key 'dt': the checkpoint holds 12 of the 24 elements this rank's destination needs" in str(info.value)
 
 
 @pytest.mark.mp

@@ -19,6 +19,7 @@ import subprocess
 import tracemalloc
 import zipfile
 
+import crc32c
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -38,11 +39,11 @@ from dcp_ext import (
     ShardReader,
     UnsafeCheckpointError,
 )
-from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.formats.index import INDEX_NAME, decode_index, encode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.megatron import load_common_state
 
-from megatron_fixtures import write_zarr
+from megatron_fixtures import write_legacy, write_zarr
 from support import FIXTURES, assert_state_dict_equal, load, load_error, local_save_plans, sample_state, save
 
 
@@ -225,27 +226,49 @@ def test_symlinked_metadata_out_of_the_directory_is_refused(tmp_path, name):
         ShardReader(ckpt).read_metadata()
 
 
+def reindex(path, metadata) -> None:
+    """Our index and commit marker re-made for the ``.metadata`` just written from
+    ``metadata`` (a chunk it adds is stored where the key's first chunk is)."""
+    items = dict(decode_index((path / INDEX_NAME).read_bytes(), "old index").items)
+    for index in metadata.storage_data:
+        items.setdefault(index, items[MetadataIndex(index.fqn, torch.Size([0] * len(index.offset)))])
+    metadata_bytes = (path / ".metadata").read_bytes()
+    index_bytes = encode_index(metadata, items, metadata_bytes, crc32c.crc32c(metadata_bytes), {})
+    (path / INDEX_NAME).write_bytes(index_bytes)
+    marker = CommitMarker.decode((path / MARKER_NAME).read_bytes(), "test")
+    (path / MARKER_NAME).write_bytes(CommitMarker.for_bytes(marker.save_id, metadata_bytes, index_bytes).encode())
+
+
 @pytest.mark.parametrize("planner", [None, DefaultLoadPlanner()], ids=["ShardLoadPlanner", "DefaultLoadPlanner"])
-def test_chunks_that_do_not_cover_their_tensor_are_refused_not_loaded_around(tmp_path, planner):
+@pytest.mark.parametrize("indexed", [False, True], ids=["pickle", "index"])
+def test_chunks_that_do_not_fill_the_destination_are_refused_not_loaded_around(tmp_path, planner, indexed):
     """A .metadata whose tensor is larger than its chunks (rows 3-5 of the destination
     would keep their old values), or with a chunk doubled over another (stock DCP loads
-    both silently)."""
+    both silently); through the pickle and through our index (re-encoded from it)."""
     state = {"w": torch.arange(12.0).reshape(3, 4)}
-    save(state, tmp_path / "gap")
-    rewrite_metadata(tmp_path / "gap", lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([6, 4])))
-    error = load_error({"w": torch.zeros(6, 4)}, tmp_path / "gap", planner)
-    assert "tensor 'w' of shape [6, 4] has 24 elements but its chunks hold 12" in str(error)  # inside DCP's metadata wrapper
 
-    save(state, tmp_path / "overlap")
+    def gap(md) -> None:
+        md.state_dict_metadata["w"].size = torch.Size([6, 4])
 
     def doubled(md) -> None:
         md.state_dict_metadata["w"].chunks.append(ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([2, 4])))
-        first = next(iter(md.storage_data.values()))
-        md.storage_data[MetadataIndex("w", torch.Size([1, 0]))] = first
+        md.storage_data[MetadataIndex("w", torch.Size([1, 0]))] = next(iter(md.storage_data.values()))
 
-    rewrite_metadata(tmp_path / "overlap", doubled)
-    error = load_error(state, tmp_path / "overlap", planner)
-    assert "tensor 'w' of shape [3, 4] has 12 elements but its chunks hold 20" in str(error)
+    for name, mutate, like, message in (
+        ("gap", gap, {"w": torch.zeros(6, 4)}, "key 'w': the checkpoint holds 12 of the 24 elements this rank's destination needs"),
+        ("overlap", doubled, state, "key 'w': the checkpoint's chunks fill 20 elements into this rank's 12: chunks overlap"),
+    ):
+        save(state, tmp_path / name)
+        metadata = read_metadata_pickle(tmp_path / name)
+        mutate(metadata)
+        write_metadata_pickle(tmp_path / name, metadata, drop_index=not indexed)
+        if indexed:
+            reindex(tmp_path / name, metadata)
+        reader = ShardReader(tmp_path / name)
+        reader.read_metadata()
+        assert reader.catalog.indexed == indexed
+        error = load_error(like, tmp_path / name, planner)
+        assert isinstance(error, CheckpointError) and message in str(error), error
 
 
 @pytest.mark.timeout(60)
@@ -263,6 +286,12 @@ def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_not_waited_on(tmp_path)
     os.mkfifo(victim)
     error = load_error(state, tmp_path / "ours")
     assert isinstance(error, CheckpointError) and f"{victim.name} is not a regular file" in str(error)
+    write_legacy(str(tmp_path / "legacy"), tp=1, pp=1, num_layers=1)  # opened by torch.load, which waits too
+    rank_file = tmp_path / "legacy" / "iter_0000020" / "mp_rank_00" / "model_optim_rng.pt"
+    rank_file.unlink()
+    os.mkfifo(rank_file)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00/model_optim_rng.pt is not a regular file"):
+        ShardReader(tmp_path / "legacy").read_metadata()
 
 
 MEMO_BOMB = b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 26) + b"."  # None, LONG_BINPUT 2**26, STOP
