@@ -527,21 +527,30 @@ def test_direct_async_saves_run_in_call_order_on_every_rank(tmp_path):
 
 
 class ThreadPerSaveStager(AsyncStager):
-    """Stages each save on a thread of its own, the first ``first_delay`` seconds late; DCP's
-    upload thread waits for the staging future before it reaches the storage writer."""
+    """Stages each save on a thread of its own; with ``hold_first`` the first save's staging
+    waits until the second save has been staged, and 0.5 s more, so that the second save's
+    upload thread reaches the storage writer first (DCP's upload thread waits for the
+    staging future). A fixed delay was not enough on a loaded machine: the first
+    ``dcp.async_save`` call itself can take longer."""
 
     _synchronize_after_execute = False
 
-    def __init__(self, first_delay: float):
-        self.delays = [first_delay]
+    def __init__(self, hold_first: bool):
+        self.calls = 0
+        self.second_staged = threading.Event()
+        self.hold_first = hold_first
 
     def stage(self, state_dict):
-        delay = self.delays.pop() if self.delays else 0.0
-        staged: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls += 1
+        first, staged = self.calls == 1, concurrent.futures.Future()
 
         def copy() -> None:
-            time.sleep(delay)
+            if first and self.hold_first:
+                assert self.second_staged.wait(timeout=60)
+                time.sleep(0.5)
             staged.set_result(BlockingAsyncStager().stage(state_dict))
+            if not first:
+                self.second_staged.set()
 
         threading.Thread(target=copy).start()
         return staged
@@ -549,10 +558,10 @@ class ThreadPerSaveStager(AsyncStager):
 
 def mismatched_pairing_job(rank: int, world: int, base: str) -> list[str | None]:
     """Two direct saves with another stager, not awaited, a directory each; rank 1's first is
-    staged 1 s late, so its second save reaches the writer first. Then a third, awaited."""
+    staged after its second, so its second save reaches the writer first. Then a third, awaited."""
     writer = ShardWriter(base)
     group = dist.new_group(backend="gloo")
-    stager = ThreadPerSaveStager(first_delay=1.0 if rank == 1 else 0.0)
+    stager = ThreadPerSaveStager(hold_first=rank == 1)
     uploads = []
     for step in range(3):
         if step == 2:
