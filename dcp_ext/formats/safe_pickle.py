@@ -51,6 +51,10 @@ _LEGACY_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.metadata"
 _LEGACY_NAMES = {"TensorProperties": "TensorProperties", "MEM_FORMAT_ENCODING": "_MEM_FORMAT_ENCODING"}
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _PATH_CLASSES = ("PosixPath", "PurePosixPath", "PureWindowsPath")  # stock stores checkpoint_id as a Path
+# megatron-core <= 0.15 pickles its own subclasses (one extra field, ``mcore_data``, read by
+# ``megatron.torch_dist``): read as the DCP classes they extend, the field kept as an attribute
+_MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+_MCORE_CLASSES = {"MCoreSavePlan": dcp_planner.SavePlan, "MCoreMetadata": dcp_metadata.Metadata}
 
 
 def _layout_by_name(name: str) -> torch.layout:
@@ -69,6 +73,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(dcp_planner, name)
         if module == _LEGACY_SHARDED_TENSOR and name in _LEGACY_NAMES:
             return getattr(dcp_metadata, _LEGACY_NAMES[name])
+        if module == _MCORE_MODULE and name in _MCORE_CLASSES:
+            return _MCORE_CLASSES[name]
         if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
             return dcp_filesystem._StorageInfo
         if (module, name) == ("torch.serialization", "_get_layout"):
