@@ -223,17 +223,24 @@ class SpecialFileError(OSError):
     """A checkpoint file name that is a FIFO, socket or device."""
 
 
-def open_regular_file(path: str) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file. A directory opens but
-    every read fails, and a FIFO's open or read waits for a writer forever: both are
-    refused here (the open does not wait: ``O_NONBLOCK``, which regular files ignore)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    mode = os.fstat(fd).st_mode
+def check_regular(mode: int, path: str) -> None:
+    """Refuse what is not a regular file: a directory opens but every read fails, and a
+    FIFO's open or read waits for a writer forever (stock DCP hangs on one)."""
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
     if not stat.S_ISREG(mode):
-        os.close(fd)
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
         raise SpecialFileError(errno.EINVAL, "Not a regular file", path)
+
+
+def open_regular_file(path: str) -> int:
+    """A read-only descriptor of ``path``, a regular file (``check_regular``; the open
+    does not wait: ``O_NONBLOCK``, which regular files ignore)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        check_regular(os.fstat(fd).st_mode, path)
+    except OSError:
+        os.close(fd)
+        raise
     os.set_blocking(fd, True)
     return fd
 
@@ -280,11 +287,8 @@ class LocalLocation(Location):
             st = os.stat(self.path(name))
         except OSError:
             return None
-        if not stat.S_ISREG(st.st_mode):
-            with self._file_errors(name):
-                if stat.S_ISDIR(st.st_mode):
-                    raise IsADirectoryError(errno.EISDIR, "Is a directory", name)
-                raise SpecialFileError(errno.EINVAL, "Not a regular file", name)
+        with self._file_errors(name):
+            check_regular(st.st_mode, name)
         return st.st_size
 
     def signature(self, name: str) -> tuple[Any, ...] | None:
@@ -322,11 +326,9 @@ class LocalLocation(Location):
         full = self.path(name)
         with self._file_errors(name):
             try:
-                mode = os.stat(full).st_mode
+                check_regular(os.stat(full).st_mode, full)  # torch.load would wait on a FIFO
             except FileNotFoundError:
-                return full  # the opener reports it
-            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-                raise SpecialFileError(errno.EINVAL, "Not a regular file", full)  # torch.load would wait on a FIFO
+                pass  # the opener reports it
         return full
 
     def _range_reader(self, full: str) -> RangeReader:
