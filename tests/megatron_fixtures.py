@@ -10,8 +10,8 @@ Sizes are odd on purpose so that DTensor shards cut across the saved TP splits.
 Imitations, kept only where the real library cannot produce the case here (real
 megatron-core checkpoints are in ``tests/fixtures/megatron``): legacy ``mp_rank`` files come
 from Megatron-LM's training code, not megatron-core; the torch_dist writer covers
-flattened-range optimizer tensors (megatron-core <= 0.14's distributed optimizer), incomplete
-saves and TP-replica keys (its ``common_state`` object is now also covered by the real
+flattened-range ranges split into three boxes (the real 0.14.0 / 0.15.3 fixtures split at
+most into two), incomplete saves and TP-replica keys (its ``common_state`` object is now also covered by the real
 megatron-core 0.19.2 fixture); the zarr writer covers incomplete saves and bad shapes.
 """
 

@@ -2,7 +2,10 @@
 and 4 processes, against values megatron-core's own loader returned: torch_dist from
 0.16.1 (TP2 x DP2, EP2 experts, SwiGLU factories, Adam state, an RNG ShardedObject,
 common.pt), the same from 0.19.2 (common state as the ``common_state`` ShardedObject, no
-common.pt) and zarr from 0.12.2 (TP2, bf16 norms, SwiGLU, RNG objects, common.pt).
+common.pt), zarr from 0.12.2 (TP2, bf16 norms, SwiGLU, RNG objects, common.pt), and a
+GPTModel with the DistributedOptimizer's flattened-range format from 0.14.0 (PP2 x DP2,
+fully-parallel save; ``.metadata`` holds ``MCoreSavePlan``s) and 0.15.3 (TP2 x DP2;
+``.metadata`` is an ``MCoreMetadata``).
 
 Fixture and expected values: ``tests/fixtures/megatron/generate.py`` (see its README).
 """
@@ -21,13 +24,16 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.cli.main import main as cli
+from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.megatron import load_common_state
 
 from mp import run_job
 from support import FIXTURES, assert_tensor_equal, garbage_like
 
 MEGATRON_FIXTURES = FIXTURES / "megatron"
-NAMES = {"mcore016_tp2_dp2_ep2": "0.16.1", "mcore019_tp2_dp2_ep2": "0.19.2", "mcore012_zarr_tp2": "0.12.2"}
+NAMES = {"mcore016_tp2_dp2_ep2": "0.16.1", "mcore019_tp2_dp2_ep2": "0.19.2", "mcore012_zarr_tp2": "0.12.2",
+         "mcore014_pp2_dp2_distopt": "0.14.0", "mcore015_tp2_dp2_distopt": "0.15.3"}
+DISTOPT = {"mcore014_pp2_dp2_distopt": b"MCoreSavePlan", "mcore015_tp2_dp2_distopt": b"MCoreMetadata"}  # pickled classes
 
 
 def expected(name: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -85,7 +91,7 @@ def test_resharded_loads_at_2_and_4_processes(world):
     run_job(resharded_job, world, list(NAMES))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [name for name in NAMES if name not in DISTOPT])  # DISTOPT: verify faults each box
 def test_cli_inspect_verify_convert(tmp_path, capsys, name):
     tensors, _ = expected(name)
     ckpt = MEGATRON_FIXTURES / name
@@ -108,6 +114,21 @@ def test_metadata_holds_megatrons_save_plans():
     raw = (ckpt / ".metadata").read_bytes()
     assert b"SavePlan" in raw and b"WriteItem" in raw
     assert len(ShardReader(ckpt).read_metadata().state_dict_metadata) > 40
+
+
+@pytest.mark.parametrize("name", DISTOPT)
+def test_flattened_range_optimizer_state_restored_to_global_shapes(name):
+    """What broke before: megatron-core 0.12-0.15 pickle their own subclasses of DCP's
+    SavePlan / Metadata into .metadata, and the distributed optimizer's state is stored
+    in flattened ranges under reformulated shapes (``mcore_data``)."""
+    tensors, _ = expected(name)
+    raw = (MEGATRON_FIXTURES / name / ".metadata").read_bytes()
+    assert DISTOPT[name] in raw
+    mcore_data = load_metadata_pickle(raw, name).mcore_data
+    flattened = [k for k, v in mcore_data.items() if v.get("nd_reformulated_orig_global_shape")]
+    assert len(flattened) >= 20 and all(k.startswith("optimizer.state.") for k in flattened)
+    metadata = ShardReader(MEGATRON_FIXTURES / name).read_metadata()
+    assert all(tuple(metadata.state_dict_metadata[k].size) == tuple(tensors[k].shape) for k in flattened)
 
 
 def test_common_state_object_without_common_pt():

@@ -14,8 +14,7 @@ from dcp_ext import CorruptCheckpointError, ShardReader
 from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
 
 from megatron_fixtures import COMMON, FLAT, OBJECTS, write_torch_dist
-from mp import run_job
-from support import FIXTURES, dtensor_load_job, load_error, load_tensors
+from support import FIXTURES, load_error, load_tensors
 
 
 @pytest.mark.parametrize("common", ["common.pt", "object"])
@@ -26,12 +25,6 @@ def test_loads_bit_exact_with_flattened_tensor_restored(tmp_path, common):
     assert state["decoder.layers.self_attention.core_attention._extra_state/shard_1_2"] == [{"fp8": 1}]
     got = load_common_state(tmp_path)
     assert isinstance(got["args"], argparse.Namespace) and got["iteration"] == COMMON["iteration"]
-
-
-@pytest.mark.mp
-def test_flattened_tensor_loads_into_dtensors(tmp_path):
-    want = write_torch_dist(str(tmp_path))
-    run_job(dtensor_load_job, 2, str(tmp_path), want)
 
 
 def test_missing_metadata_json_is_an_incomplete_save(tmp_path):
@@ -96,3 +89,4 @@ def test_deeply_nested_metadata_json_is_corruption_naming_it(tmp_path):
     (root / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CorruptCheckpointError, match=r"metadata.json: not valid JSON \(RecursionError"):
         ShardReader(root).read_metadata()
+
