@@ -2,9 +2,12 @@
 
 They load through the ordinary catalog path; this module only adjusts what it finds:
 - a Megatron save is complete only once rank 0 wrote ``metadata.json`` (last);
-- distributed-optimizer tensors saved with a flattened range (megatron-core <= 0.14)
+- distributed-optimizer tensors saved with a flattened range (megatron-core <= 0.15)
   were stored under a reformulated shape ``[X/x, Y/y, Z/z, x*y*z]``; they are presented
   with their original global shape, each stored range split into the boxes it covers.
+  A box keeps its whole record as the stored item and is a view into the record's
+  storage (its layout's storage offset), so a verified read or ``dcp-ext verify``
+  checks the record's zip CRC-32 over the bytes it covers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats.faults import shown
 from dcp_ext.formats.index import StoredItem
-from dcp_ext.formats.torch_record import TensorLayout, numel
+from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel
 from dcp_ext.formats.validate import is_dims
 from dcp_ext.megatron.base import Box, IncompleteSaveError, MegatronOptions, tensor_metadata
 from dcp_ext.megatron.flat_range import flat_index, flat_range_boxes
@@ -101,8 +104,8 @@ def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptio
     if cached is not None:
         return cached[1]
     shapes = _reformulated_shapes(catalog)
-    view = _restore_flattened(location, catalog, shapes) if shapes else catalog
-    view = merge_tp_replica_keys(view)
+    view = merge_tp_replica_keys(catalog)  # first: it builds a new catalog, without parsed layouts
+    view = _restore_flattened(location, view, shapes) if shapes else view
     _VIEWS.put(id(catalog), (catalog, view))
     return view
 
@@ -142,19 +145,29 @@ def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, t
     layouts = {index: catalog.known_layout(index) or parsed[index] for index in indices}
     entries = dict(metadata.state_dict_metadata)
     items = {index: item for index, item in catalog.items.items() if index.fqn not in shapes}
+    box_layouts: dict[MetadataIndex, TensorLayout] = {}
     for key, shape in shapes.items():
         md = _reformulated_md(catalog, key)
         local = _local_shape(catalog.url, key, shape, tuple(md.size))
         chunks: list[Box] = []
         for chunk in md.chunks:
             index = MetadataIndex(key, chunk.offsets)
-            for offsets, sizes, item in _chunk_boxes(catalog, index, tuple(chunk.sizes), local, layouts[index]):
+            for offsets, sizes, layout in _chunk_boxes(catalog.url, index, tuple(chunk.sizes), local, layouts[index]):
                 chunks.append((offsets, sizes))
-                items[MetadataIndex(key, torch.Size(offsets))] = item
+                box = MetadataIndex(key, torch.Size(offsets))
+                items[box], box_layouts[box] = _record_item(catalog.item(index)), layout
         entries[key] = tensor_metadata(md.properties, shape, chunks)
     restored = Metadata(entries, metadata.planner_data, None, metadata.storage_meta, metadata.version)
     caches = {f.name: f.default_factory() for f in dataclasses.fields(catalog) if f.default_factory is not dataclasses.MISSING}
+    caches["_layouts"] = box_layouts  # what known_layout answers for a box: a view into its record
     return dataclasses.replace(catalog, metadata=restored, items=items, **caches)
+
+
+def _record_item(item: StoredItem) -> StoredItem:
+    """A box's stored item: its whole record, so the record's checksum still covers what
+    is read. Without a payload offset, a layout comes from the view's parsed layouts
+    (``Catalog.known_layout``), never from the box's own shape."""
+    return item._replace(payload_offset=-1)
 
 
 def _reformulated_md(catalog: Catalog, key: str) -> TensorStorageMetadata:
@@ -180,22 +193,21 @@ def _local_shape(url: str, key: str, shape: tuple[int, ...], stored: tuple[int, 
 
 
 def _chunk_boxes(
-    catalog: Catalog, index: MetadataIndex, sizes: tuple[int, ...], local: tuple[int, ...], layout: TensorLayout
-) -> list[tuple[tuple[int, ...], tuple[int, ...], StoredItem]]:
-    """Boxes (in the original shape) of one stored flattened range, each with its byte range."""
-    where = f"{catalog.url}: key {index.fqn!r} chunk at {list(index.offset)}"
+    url: str, index: MetadataIndex, sizes: tuple[int, ...], local: tuple[int, ...], layout: TensorLayout
+) -> list[tuple[tuple[int, ...], tuple[int, ...], TensorLayout]]:
+    """Boxes (in the original shape) of one stored flattened range, each with its layout:
+    the record's, narrowed to the box by shape and storage offset (the payload and its
+    CRC-32 stay the record's)."""
     if any(s != 1 for s in sizes[:-1]) or (sizes[-1] > 1 and layout.stride[-1] != 1):
+        where = f"{url}: key {index.fqn!r} chunk at {list(index.offset)}"
         raise CorruptCheckpointError(f"{where}: a flattened range must be one contiguous row, found {list(sizes)}")
-    item = catalog.item(index)
-    itemsize = layout.dtype.itemsize
-    base = item.offset + layout.payload_offset + layout.storage_offset * itemsize
     grid, start = tuple(index.offset[:-1]), index.offset[-1]
     origin = tuple(g * n for g, n in zip(grid, local))
     out = []
     for offsets, box in flat_range_boxes(local, start, start + sizes[-1]):
-        begin = base + (flat_index(local, offsets) - start) * itemsize
-        stored = StoredItem(item.relative_path, begin, numel(box) * itemsize, payload_offset=begin)
-        out.append((tuple(o + p for o, p in zip(origin, offsets)), box, stored))
+        storage_offset = layout.storage_offset + flat_index(local, offsets) - start
+        view = dataclasses.replace(layout, shape=box, stride=contiguous_strides(box), storage_offset=storage_offset)
+        out.append((tuple(o + p for o, p in zip(origin, offsets)), box, view))
     return out
 
 

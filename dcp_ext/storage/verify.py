@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.formats.transforms import decode, record_limit
 from dcp_ext.formats.validate import chunk_faults
 from dcp_ext.storage.catalog import Catalog, stored_metadata_facts
@@ -70,10 +71,7 @@ def verify_checkpoint(
     for fqn, md in catalog.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             report.faults.extend(chunk_faults(fqn, md))
-    by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
-    for index, item in catalog.items.items():  # canonical items and TP-replica copies alike
-        for stored in (item, *catalog.copies.get(index, ())):
-            by_file.setdefault(stored.relative_path, []).append((index, stored))
+    by_file = _records_by_file(catalog)
     report.files = len(by_file)
     report.unreferenced_files = sorted(n for n in location.listdir() if is_data_file(n) and n not in by_file)
     total = sum(item.length for entries in by_file.values() for _, item in entries)
@@ -96,6 +94,20 @@ def verify_checkpoint(
         finally:
             done = file_end
     return report
+
+
+def _records_by_file(catalog: Catalog) -> dict[str, list[tuple[MetadataIndex, StoredItem]]]:
+    """Each stored record once, by file: canonical items and TP-replica copies alike. Items
+    sharing a record (the boxes a Megatron flattened range is split into) are checked once."""
+    by_file: dict[str, list[tuple[MetadataIndex, StoredItem]]] = {}
+    seen: set[tuple[str, int, int]] = set()
+    for index, item in catalog.items.items():
+        for stored in (item, *catalog.copies.get(index, ())):
+            record = (stored.relative_path, stored.offset, stored.length)
+            if record not in seen:
+                seen.add(record)
+                by_file.setdefault(stored.relative_path, []).append((index, stored))
+    return by_file
 
 
 def _check_file(
@@ -131,7 +143,7 @@ def _check_item(  # noqa: ANN001
         return _transformed_fault(reader, item, where, record_limit(catalog.chunk_nbytes(index))), True
     elif index.offset is not None:  # stock tensor record: the zip entry CRC-32
         try:
-            layout = catalog.parse_layout(location, index)  # the index does not keep the zip CRC
+            layout = _record_layout(catalog, location, index)
         except (CheckpointError, OSError) as exc:
             return str(exc), True
         if layout.payload_crc32 is None:  # what a verified load refuses too: nothing vouches for these bytes
@@ -146,6 +158,16 @@ def _check_item(  # noqa: ANN001
     if value != expected:
         return f"{algorithm} mismatch (recorded {expected:#010x}, read {value:#010x})", True
     return None, True
+
+
+def _record_layout(catalog: Catalog, location: Location, index: MetadataIndex) -> TensorLayout:
+    """The layout of a stock record with its zip CRC-32: the one the catalog knows when it
+    has that CRC (a view's box of a Megatron flattened range, which parsing the box could
+    not give), else parsed from the record (our index does not keep the zip CRC)."""
+    known = catalog.known_layout(index)
+    if known is not None and known.payload_crc32 is not None:
+        return known
+    return catalog.parse_layout(location, index)
 
 
 def _transformed_fault(reader, item: StoredItem, where: str, limit: int) -> str | None:  # noqa: ANN001

@@ -91,7 +91,7 @@ def test_resharded_loads_at_2_and_4_processes(world):
     run_job(resharded_job, world, list(NAMES))
 
 
-@pytest.mark.parametrize("name", [name for name in NAMES if name not in DISTOPT])  # DISTOPT: verify faults each box
+@pytest.mark.parametrize("name", NAMES)
 def test_cli_inspect_verify_convert(tmp_path, capsys, name):
     tensors, _ = expected(name)
     ckpt = MEGATRON_FIXTURES / name

@@ -9,9 +9,11 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dcp_ext import CorruptCheckpointError, ShardReader
 from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
+from dcp_ext.storage.verify import verify_checkpoint
 
 from megatron_fixtures import COMMON, FLAT, OBJECTS, write_torch_dist
 from support import FIXTURES, load_error, load_tensors
@@ -90,3 +92,46 @@ def test_deeply_nested_metadata_json_is_corruption_naming_it(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"metadata.json: not valid JSON \(RecursionError"):
         ShardReader(root).read_metadata()
 
+
+DISTOPT_FIXTURES = ["mcore014_pp2_dp2_distopt", "mcore015_tp2_dp2_distopt"]  # flattened-range optimizer state
+
+
+def _distopt_expected(name: str) -> dict[str, torch.Tensor]:
+    return load_file(FIXTURES / "megatron" / f"{name}.expected.safetensors")
+
+
+def _flip_flattened_record_byte(root) -> tuple[str, str]:
+    """Flip a byte in the middle of the record holding a flattened range; (file, key)."""
+    reader = ShardReader(root, cache_metadata=False)
+    reader.read_metadata()
+    index = next(i for i in reader.catalog.items if i.fqn.startswith("optimizer.state.exp_avg.decoder.layers"))
+    item, layout = reader.catalog.items[index], reader.catalog.known_layout(index)
+    with open(root / item.relative_path, "r+b") as f:
+        f.seek(item.offset + layout.payload_offset + layout.payload_nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return item.relative_path, index.fqn
+
+
+@pytest.mark.parametrize("name", DISTOPT_FIXTURES)
+def test_verified_load_of_flattened_ranges_checks_their_records(name):
+    """Each box of a flattened range is read from its whole record, whose zip CRC-32 is
+    checked (before: the box's bytes were taken for a record: "not a readable torch.save
+    tensor record")."""
+    load_tensors(FIXTURES / "megatron" / name, _distopt_expected(name), verify_checksums=True)
+
+
+@pytest.mark.parametrize("name", DISTOPT_FIXTURES)
+def test_flipped_byte_in_flattened_record_is_caught(tmp_path, name):
+    root = tmp_path / name
+    shutil.copytree(FIXTURES / "megatron" / name, root)
+    before = verify_checkpoint(str(root))
+    assert before.ok, before.faults[:3]
+    path, key = _flip_flattened_record_byte(root)
+    want = _distopt_expected(name)
+    err = load_error({key: want[key]}, root, verify_checksums=True)
+    assert isinstance(err, CorruptCheckpointError) and "crc32 mismatch" in str(err) and path in str(err)
+    after = verify_checkpoint(str(root))
+    assert len(after.faults) == 1 and path in after.faults[0] and "crc32 mismatch" in after.faults[0]
+    assert after.items_checked == before.items_checked  # every record once, however many boxes it holds
