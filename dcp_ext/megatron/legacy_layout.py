@@ -92,11 +92,20 @@ def resolve_iteration(location: Location, iteration: int | str | None) -> str:
     return name
 
 
+def _distributed_hint(names: list[str], path: str) -> str:
+    """Megatron-LM's --save root also tracks iterations saved with ``--ckpt-format
+    torch_dist`` (or zarr): say so, rather than leave the root taken for a legacy save."""
+    if ".metadata" in names or "metadata.json" in names:
+        return f"; it holds a distributed checkpoint (torch_dist or zarr: .metadata / metadata.json): open {path} itself"
+    return ""
+
+
 def first_rank_file(location: Location, iteration_dir: str) -> str:
     """The TP0/PP0/EP0 file: the lexically first ``mp_rank_*`` directory."""
-    ranks = sorted(n for n in location.listdir(iteration_dir) if _RANK_DIR.match(n))
+    names = location.listdir(iteration_dir)
+    ranks = sorted(n for n in names if _RANK_DIR.match(n))
     if not ranks:
-        raise CheckpointError(f"{location.url}/{iteration_dir}: no mp_rank_* directories")
+        raise CheckpointError(f"{location.url}/{iteration_dir}: no mp_rank_* directories{_distributed_hint(names, f'{location.url}/{iteration_dir}')}")
     return posixpath.join(iteration_dir, ranks[0], MODEL_FILE)
 
 

@@ -16,7 +16,7 @@ from dcp_ext.megatron import MegatronOptions, load_common_state
 
 from megatron_fixtures import write_legacy
 from mp import run_job
-from support import assert_tensor_equal, dtensor_load_job, garbage_like, load_error, load_tensors
+from support import FIXTURES, assert_tensor_equal, dtensor_load_job, garbage_like, load_error, load_tensors
 
 QKV0 = "decoder.layers.0.self_attention.linear_qkv.weight"
 
@@ -273,3 +273,14 @@ def test_parallel_sizes_beyond_the_rank_directories_present_are_named_briefly(tm
     message = str(err.value)
     assert "mp_rank_00_000/model_optim_rng.pt (TP rank 0, PP rank 0, EP rank 0)" in message
     assert message.endswith("and 89,992 more") and len(message) < 1000
+
+
+def test_save_root_of_a_torch_dist_iteration_points_at_it(tmp_path):
+    """Megatron-LM's --save root tracks torch_dist iterations too: the root was taken for a
+    legacy save and failed with a bare "no mp_rank_* directories"."""
+    iteration = tmp_path / "iter_0000007"
+    shutil.copytree(FIXTURES / "megatron" / "mcore016_tp2_dp2_ep2", iteration)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.raises(CheckpointError, match=rf"no mp_rank_\* directories; .*torch_dist.*: open {iteration} itself"):
+        ShardReader(tmp_path).read_metadata()
+    assert ShardReader(iteration).read_metadata().state_dict_metadata
