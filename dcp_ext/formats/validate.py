@@ -135,18 +135,27 @@ def _check_tensor(
 def chunk_faults(fqn: str, md: TensorStorageMetadata) -> list[str]:
     """Chunks must lie inside the tensor, not overlap, and cover it exactly once."""
     faults = []
-    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
     covered = sum(numel(sizes) for _, sizes in boxes)
     if covered != numel(md.size):
         faults.append(f"{fqn}: chunks cover {covered} elements of {numel(md.size)}")
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offsets, sizes in boxes:
+    faults.extend(f"{fqn}: chunk at {list(a)} overlaps chunk at {list(b)}" for a, b in overlapping_boxes(boxes))
+    return faults
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def overlapping_boxes(boxes: list[Box]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets of one box, offsets of an earlier one) for each pair that shares an element:
+    a sweep along dim 0, comparing a box only with those still open there."""
+    pairs = []
+    active: list[Box] = []
+    for offsets, sizes in sorted(boxes):
         if numel(sizes) == 0:
             continue
-        if offsets:  # sweep along dim 0: only chunks still open there can overlap
+        if offsets:
             active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
-        for o, s in active:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, o, s)):
-                faults.append(f"{fqn}: chunk at {list(offsets)} overlaps chunk at {list(o)}")
+        pairs.extend((offsets, o) for o, s in active if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, o, s)))
         active.append((offsets, sizes))
-    return faults
+    return pairs

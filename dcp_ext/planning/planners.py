@@ -289,6 +289,8 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     (``load_plan``): only the chunks overlapping this rank's shards become objects.
     """
 
+    PLANS_EVERY_ELEMENT = True  # its local plan reads all of each destination (ShardReader checks the plan)
+
     def __init__(self, *args: Any, allow_unsafe_bytes: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.allow_unsafe_bytes = options.flag("ShardLoadPlanner", "allow_unsafe_bytes", allow_unsafe_bytes)

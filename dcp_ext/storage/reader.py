@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -26,6 +27,7 @@ from dcp_ext.formats.faults import file_too_short
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
+from dcp_ext.formats.validate import Box, overlapping_boxes
 from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
@@ -244,6 +246,7 @@ class ShardReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
         self.clock.charge_rest("plan")
+        planned_by = planner  # the planner itself, before the bytes-checking wrapper
         planner = self._bytes_checked(planner)
         catalog = self._require_catalog()
         settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes)
@@ -252,7 +255,7 @@ class ShardReader(StorageReader):
         commits: list[Callable[[], None]] = []
         try:
             stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
-            self._check_destinations_filled(catalog, plan, planner)
+            self._check_destinations_filled(catalog, plan, planned_by)
             self._check_files(plan.items, stored)
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
@@ -363,32 +366,43 @@ class ShardReader(StorageReader):
         for the parts of a destination some chunk covers and leaves the rest as it was,
         silently (as stock does): a checkpoint one process saved alone (``dcp.save(no_dist=
         True)`` of its own shards, a per-rank ``.metadata``) loaded into another layout, or
-        a ``.metadata`` whose chunks leave a gap. Chunks overlapping each other fill
-        elements twice, from two records. Both refused by key (one pass over the plan)."""
+        a ``.metadata`` whose chunks leave a gap; chunks overlapping each other fill
+        elements twice, from two records. Both refused by key: one pass over the plan,
+        and a sweep of the boxes of the destinations read in several pieces. Only for the
+        planners that plan every element (DCP's own, ours): a planner of one's own may read
+        less on purpose (a resized vocabulary keeping its new rows)."""
         state = getattr(planner, "state_dict", None)
-        if not isinstance(state, dict):
+        if not isinstance(state, dict) or not _plans_every_element(planner):
             return
         read: dict[str, int] = {}
+        boxes: dict[tuple[str, tuple[int, ...]], list[Box]] = {}  # per destination piece
         as_bytes: set[str] = set()  # stored numbers put into 0-d tensors
         for item in plan.items:
+            fqn = item.dest_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                as_bytes.add(item.dest_index.fqn)
+                as_bytes.add(fqn)
             else:
-                read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+                read[fqn] = read.get(fqn, 0) + math.prod(item.lengths)
+                boxes.setdefault((fqn, tuple(item.dest_index.offset or ())), []).append(
+                    (tuple(item.dest_offsets), tuple(item.lengths))
+                )
+        for (fqn, _), pieces in boxes.items():
+            overlap = overlapping_boxes(pieces) if len(pieces) > 1 else []
+            if overlap:
+                raise CorruptCheckpointError(
+                    f"{self.location.url}: key {fqn!r}: the checkpoint's chunks overlap each other (damaged metadata): "
+                    f"their reads into this rank's destination at {list(overlap[0][0])} and {list(overlap[0][1])} "
+                    "share elements"
+                )
         saved = catalog.metadata.state_dict_metadata
         for fqn, value in state.items():
             needed = _local_elements(value)
             if needed is None or fqn in as_bytes or (fqn not in read and fqn not in saved):
                 continue
             got = read.get(fqn, 0)
-            if got == needed:
+            if got >= needed:  # more only where reads overlap, refused above
                 continue
             where = f"{self.location.url}: key {fqn!r}"
-            if got > needed:
-                raise CorruptCheckpointError(
-                    f"{where}: the checkpoint's chunks fill {got} elements into this rank's {needed}: chunks overlap "
-                    "each other (damaged metadata)"
-                )
             if catalog.saving_rank is not None:
                 raise InvalidRequestError(
                     f"{where}: {rank_metadata_name(catalog.saving_rank)} (a dcp.save(use_collectives=False)) describes "
@@ -519,6 +533,15 @@ class ShardReader(StorageReader):
                 f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
             )
         return dest
+
+
+def _plans_every_element(planner: LoadPlanner) -> bool:
+    """Whether the planner's local plan reads every element of each destination it loads:
+    DCP's ``DefaultLoadPlanner`` and its subclasses that keep its ``create_local_plan``
+    (``_EmptyStateDictLoadPlanner``, ``DynamicMetaLoadPlanner``), and a planner whose own
+    ``create_local_plan`` says so (``PLANS_EVERY_ELEMENT``: ``ShardLoadPlanner``)."""
+    owner = next((c for c in type(planner).__mro__ if "create_local_plan" in c.__dict__), None)
+    return owner is DefaultLoadPlanner or bool(owner is not None and owner.__dict__.get("PLANS_EVERY_ELEMENT"))
 
 
 def _local_elements(value: Any) -> int | None:

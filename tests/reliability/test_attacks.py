@@ -29,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dcp_ext import (
     CheckpointError,
@@ -37,11 +38,13 @@ from dcp_ext import (
     InvalidRequestError,
     ShardLoadPlanner,
     ShardReader,
+    ShardWriter,
     UnsafeCheckpointError,
 )
 from dcp_ext.formats.index import INDEX_NAME, decode_index, encode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.megatron import load_common_state
+from dcp_ext.ntp import ntp_shard
 
 from megatron_fixtures import write_legacy, write_zarr
 from support import FIXTURES, assert_state_dict_equal, load, load_error, local_save_plans, sample_state, save
@@ -256,7 +259,7 @@ def test_chunks_that_do_not_fill_the_destination_are_refused_not_loaded_around(t
 
     for name, mutate, like, message in (
         ("gap", gap, {"w": torch.zeros(6, 4)}, "key 'w': the checkpoint holds 12 of the 24 elements this rank's destination needs"),
-        ("overlap", doubled, state, "key 'w': the checkpoint's chunks fill 20 elements into this rank's 12: chunks overlap"),
+        ("overlap", doubled, state, "key 'w': the checkpoint's chunks overlap each other (damaged metadata)"),
     ):
         save(state, tmp_path / name)
         metadata = read_metadata_pickle(tmp_path / name)
@@ -269,6 +272,45 @@ def test_chunks_that_do_not_fill_the_destination_are_refused_not_loaded_around(t
         assert reader.catalog.indexed == indexed
         error = load_error(like, tmp_path / name, planner)
         assert isinstance(error, CheckpointError) and message in str(error), error
+
+
+@pytest.mark.parametrize("planner", [None, DefaultLoadPlanner()], ids=["ShardLoadPlanner", "DefaultLoadPlanner"])
+def test_chunks_overlapping_by_as_much_as_they_leave_uncovered_are_refused(tmp_path, planner):
+    """Rows [0, 4) and [4, 8) saved; the second chunk moved to [2, 6): rows 2-3 read twice,
+    rows 6-7 never, the element count right (stock loads it, leaving rows 6-7 as they were)."""
+    full = torch.arange(16.0).reshape(8, 2)
+    dcp.save({"w": ntp_shard(full.clone(), [(0, 4), (4, 8)], (8, 2))}, storage_writer=ShardWriter(tmp_path), no_dist=True)
+
+    def shifted(md) -> None:
+        md.state_dict_metadata["w"].chunks[1] = ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([4, 2]))
+        md.storage_data[MetadataIndex("w", torch.Size([2, 0]))] = md.storage_data.pop(MetadataIndex("w", torch.Size([4, 0])))
+
+    rewrite_metadata(tmp_path, shifted)
+    error = load_error({"w": full}, tmp_path, planner)
+    assert isinstance(error, CorruptCheckpointError) and "key 'w': the checkpoint's chunks overlap each other" in str(error), error
+
+
+class KeepsNewRowsPlanner(DefaultLoadPlanner):
+    """A planner of one's own that reads less on purpose: a vocabulary grown from 6 to 8 rows
+    loads the saved 6 and keeps its new rows' initial values."""
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            box = ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)
+            items += create_read_items_for_chunk_list(fqn, md, [box])
+        return LoadPlan(items)
+
+
+def test_a_planner_of_ones_own_may_leave_part_of_a_destination_unread(tmp_path):
+    """The reader's every-element check is for the planners that plan every element."""
+    saved = {"emb": torch.randn(6, 4), "w": torch.randn(3, 3)}
+    save(saved, tmp_path)
+    new_rows = torch.randn(2, 4)
+    out = {"emb": torch.cat([torch.full((6, 4), float("nan")), new_rows]), "w": torch.full((3, 3), float("nan"))}
+    dcp.load(out, storage_reader=ShardReader(tmp_path), planner=KeepsNewRowsPlanner(), no_dist=True)
+    assert torch.equal(out["emb"], torch.cat([saved["emb"], new_rows])) and torch.equal(out["w"], saved["w"])
 
 
 @pytest.mark.timeout(60)
