@@ -27,7 +27,7 @@ from dcp_ext.formats.faults import file_too_short
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
-from dcp_ext.formats.validate import Box, overlapping_boxes
+from dcp_ext.formats.validate import overlapping_boxes
 from dcp_ext.formats.torch_record import TensorLayout
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
@@ -375,7 +375,7 @@ class ShardReader(StorageReader):
         if not isinstance(state, dict) or not _plans_every_element(planner):
             return
         read: dict[str, int] = {}
-        boxes: dict[tuple[str, tuple[int, ...]], list[Box]] = {}  # per destination piece
+        pieces: dict[tuple[str, int | None], list[ReadItem]] = {}  # reads into each destination chunk
         as_bytes: set[str] = set()  # stored numbers put into 0-d tensors
         for item in plan.items:
             fqn = item.dest_index.fqn
@@ -383,11 +383,11 @@ class ShardReader(StorageReader):
                 as_bytes.add(fqn)
             else:
                 read[fqn] = read.get(fqn, 0) + math.prod(item.lengths)
-                boxes.setdefault((fqn, tuple(item.dest_index.offset or ())), []).append(
-                    (tuple(item.dest_offsets), tuple(item.lengths))
-                )
-        for (fqn, _), pieces in boxes.items():
-            overlap = overlapping_boxes(pieces) if len(pieces) > 1 else []
+                pieces.setdefault((fqn, item.dest_index.index), []).append(item)
+        for (fqn, _), items in pieces.items():
+            if len(items) == 1:
+                continue
+            overlap = overlapping_boxes([(tuple(i.dest_offsets), tuple(i.lengths)) for i in items])
             if overlap:
                 raise CorruptCheckpointError(
                     f"{self.location.url}: key {fqn!r}: the checkpoint's chunks overlap each other (damaged metadata): "
