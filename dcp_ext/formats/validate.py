@@ -148,14 +148,18 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 def overlapping_boxes(boxes: list[Box]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets of one box, offsets of an earlier one) for each pair that shares an element:
-    a sweep along dim 0, comparing a box only with those still open there."""
+    a sweep along the dimension the boxes start at the most places in, comparing a box only
+    with those still open there (along dim 0 alone, column pieces all start at row 0 and
+    every pair was compared: 4 s for 4,096 pieces)."""
+    if not boxes or not boxes[0][0]:  # 0-d: nothing to sweep along
+        return [(b[0], a[0]) for a, b in zip(boxes, boxes[1:])]
+    dim = max(range(len(boxes[0][0])), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
     pairs = []
     active: list[Box] = []
-    for offsets, sizes in sorted(boxes):
+    for offsets, sizes in sorted(boxes, key=lambda box: box[0][dim]):
         if numel(sizes) == 0:
             continue
-        if offsets:
-            active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
+        active = [(o, s) for o, s in active if o[dim] + s[dim] > offsets[dim]]
         pairs.extend((offsets, o) for o, s in active if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, o, s)))
         active.append((offsets, sizes))
     return pairs

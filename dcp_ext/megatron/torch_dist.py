@@ -158,9 +158,9 @@ def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, t
                 items[box], box_layouts[box] = _record_item(catalog.item(index)), layout
         entries[key] = tensor_metadata(md.properties, shape, chunks)
     restored = Metadata(entries, metadata.planner_data, None, metadata.storage_meta, metadata.version)
-    caches = {f.name: f.default_factory() for f in dataclasses.fields(catalog) if f.default_factory is not dataclasses.MISSING}
+    caches = {f.name: f.default_factory() for f in dataclasses.fields(catalog) if f.name.startswith("_")}
     caches["_layouts"] = box_layouts  # what known_layout answers for a box: a view into its record
-    return dataclasses.replace(catalog, metadata=restored, items=items, **caches)
+    return dataclasses.replace(catalog, metadata=restored, items=items, **caches)  # copies and inline kept
 
 
 def _record_item(item: StoredItem) -> StoredItem:

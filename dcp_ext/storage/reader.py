@@ -547,9 +547,9 @@ def _plans_every_element(planner: LoadPlanner) -> bool:
 def _local_elements(value: Any) -> int | None:
     """How many elements this rank's part of a state-dict value holds; None: no tensor."""
     if isinstance(value, DTensor):
-        return value._local_tensor.numel()  # to_local() would build an autograd view per key
+        value = value._local_tensor  # to_local() would build an autograd view per key
     if isinstance(value, ShardedTensor):
         return sum(shard.tensor.numel() for shard in value.local_shards())
-    if hasattr(type(value), "__create_chunk_list__"):  # DCP's hook for a tensor's local chunks (NTPShard)
-        return sum(math.prod(chunk.sizes) for chunk in value.__create_chunk_list__())
+    if hasattr(type(value), "__create_chunk_list__"):  # DCP's hook for a tensor's local chunks (NTPShard,
+        return sum(math.prod(chunk.sizes) for chunk in value.__create_chunk_list__())  # LocalShardsWrapper)
     return value.numel() if isinstance(value, torch.Tensor) else None

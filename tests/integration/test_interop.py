@@ -318,3 +318,32 @@ def test_stock_per_rank_metadata_checkpoint_loads(tmp_path, capsys):
     run_job(per_rank_metadata_job, 2, str(tmp_path))
     assert cli(["inspect", str(tmp_path)]) == 2
     assert "__0.metadata, ... are per-rank metadata of dcp.save(use_collectives=False)" in capsys.readouterr().err
+
+
+def local_shards_wrapper_job(rank: int, world: int, path: str) -> None:
+    """A DTensor over a LocalShardsWrapper (torchrec's layout: several shards per rank,
+    the wrapper reporting a made-up concatenated shape of 90 elements for 60)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    mesh = init_device_mesh("cpu", (world,))
+    table = torch.arange(60.0).reshape(6, 10)
+    boxes = [(slice(0, 6), slice(0, 5)), (slice(0, 4), slice(5, 10)), (slice(4, 6), slice(5, 10))]
+
+    def wrapped(fill: bool) -> tuple[DTensor, list[torch.Tensor]]:
+        shards = [garbage_like(table[box]) if fill else table[box].clone() for box in boxes]
+        local = LocalShardsWrapper(shards, [(0, 0), (0, 5), (4, 5)])
+        return DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=table.shape, stride=table.stride()), shards
+
+    dcp.save({"t": wrapped(False)[0]}, storage_writer=dcp.FileSystemWriter(path))
+    dest, shards = wrapped(True)  # DCP's planner: ShardLoadPlanner narrows the wrapper itself, which it refuses
+    dcp.load({"t": dest}, storage_reader=ShardReader(path), planner=DefaultLoadPlanner())
+    for shard, box in zip(shards, boxes):
+        assert torch.equal(shard, table[box])
+
+
+@pytest.mark.mp
+def test_a_dtensor_over_local_shards_wrapper_loads(tmp_path):
+    """The every-element check counts the wrapper's own chunks, as DCP plans them (it
+    refused this load: "holds 60 of the 90 elements")."""
+    run_job(local_shards_wrapper_job, 1, str(tmp_path))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -45,6 +47,51 @@ def _load_plain_key(rank: int, world: int, path: str) -> int:
     assert_tensor_equal(state["norm.weight"], NORM, "norm.weight")
     assert_tensor_equal(state["w"].full_tensor(), WEIGHT, "w")
     return reader.stats.files_opened
+
+
+FLAT_KEY, FLAT_FULL, FLAT_RANGES = "optimizer.state.exp_avg.w", torch.arange(24.0).reshape(4, 6) * 0.5 + 3, [(0, 10), (10, 24)]
+
+
+def _with_flattened_key(rank: int, world: int, path: str) -> None:
+    """Replicas beside a distributed-optimizer key saved as flattened ranges (one per rank)."""
+    start, stop = FLAT_RANGES[rank]
+    state = {f"norm.weight.__tp_replica_{rank}": NORM.clone(), f"flat#{rank}": FLAT_FULL.reshape(-1)[start:stop].reshape(1, 1, -1).clone()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    dist.barrier()
+    if rank == 0:  # the .metadata megatron-core <= 0.15 writes for such ranges
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = pickle.load(f)
+        entries, storage = metadata.state_dict_metadata, metadata.storage_data
+        chunks = []
+        for r, (start, stop) in enumerate(FLAT_RANGES):
+            chunks.append(ChunkStorageMetadata(torch.Size((0, 0, start)), torch.Size((1, 1, stop - start))))
+            storage[MetadataIndex(FLAT_KEY, torch.Size((0, 0, start)))] = storage.pop(MetadataIndex(f"flat#{r}", torch.Size((0, 0, 0))))
+            properties = entries.pop(f"flat#{r}").properties
+        entries[FLAT_KEY] = TensorStorageMetadata(properties, torch.Size((1, 1, 24)), chunks)
+        metadata.planner_data = {key: (key,) for key in entries}
+        metadata.mcore_data = {FLAT_KEY: {"nd_reformulated_orig_global_shape": (4, 6)}}
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+        torch.save({"iteration": 7}, os.path.join(path, "common.pt"))
+        with open(os.path.join(path, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+
+
+def _load_norm_and_flat(rank: int, world: int, path: str) -> int:
+    state = {"norm.weight": garbage_like(NORM), FLAT_KEY: garbage_like(FLAT_FULL)}
+    reader = ShardReader(path)
+    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
+    assert_tensor_equal(state["norm.weight"], NORM, "norm.weight")
+    assert_tensor_equal(state[FLAT_KEY], FLAT_FULL, FLAT_KEY)
+    return reader.catalog.item_for_rank(MetadataIndex("norm.weight", torch.Size([0])), rank).relative_path
+
+
+def test_replicas_stay_each_ranks_own_beside_flattened_ranges(tmp_path):
+    """Restoring the flattened ranges rebuilt the catalog and dropped the replica copies:
+    every rank was served rank 0's copy."""
+    run_job(_with_flattened_key, 2, str(tmp_path))
+    own = run_job(_load_norm_and_flat, 2, str(tmp_path))
+    assert own[0] != own[1] and all(name.startswith(f"__{rank}_") for rank, name in enumerate(own)), own
 
 
 def test_postfixed_replicas_load_from_each_ranks_own_file(tmp_path):
