@@ -4,6 +4,18 @@ Every message names the checkpoint, the file and the key involved, so an operato
 act on it without a debugger.
 """
 
+from __future__ import annotations
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+def rank_failure(error: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` wrapping (twice
+    for a load inside a save, as ``dcp-ext convert`` runs), else ``error`` itself."""
+    while isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    return error
+
 
 class CheckpointError(RuntimeError):
     """Base class: anything wrong with a checkpoint or with how it is being used."""

@@ -11,7 +11,7 @@ import warnings
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_ext.errors import CheckpointError
+from dcp_ext.errors import CheckpointError, rank_failure
 
 _COMMANDS = {
     "inspect": ("dcp_ext.cli.inspect_cmd", "list keys, dtypes, shapes, chunks, bytes and files"),
@@ -42,9 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
         return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE
     except CheckpointException as exc:  # raised by dcp.save/load: report the first rank's failure
-        error: BaseException = exc
-        while isinstance(error, CheckpointException) and error.failures:  # convert: a load inside a save
-            error = next(iter(error.failures.values()))[0]
+        error = rank_failure(exc)
         if not isinstance(error, (CheckpointError, OSError)):
             raise
         print(f"error: {error}", file=sys.stderr)

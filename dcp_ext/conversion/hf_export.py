@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dcp_ext.errors import InvalidRequestError
+from dcp_ext.errors import InvalidRequestError, rank_failure
 from dcp_ext.formats.safetensors_format import METADATA_KEY, encode_header
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
@@ -194,10 +194,10 @@ def _load_batch(reader: ShardReader, batch: list[_Tensor]) -> dict[str, torch.Te
     try:
         dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     except CheckpointException as exc:  # one process: its one failure is the error to raise
-        failure = next(iter(exc.failures.values()), (None,))[0]
-        if isinstance(failure, Exception):
-            raise failure from None
-        raise
+        failure = rank_failure(exc)
+        if failure is exc or not isinstance(failure, Exception):
+            raise
+        raise failure from None
     return state
 
 
