@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import posixpath
 import shutil
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, Callable, TypeVar
 
 import fsspec
 
@@ -31,6 +32,34 @@ PART_BYTES = 8 << 20  # largest ranged request to a remote store
 BATCH_BYTES = 64 << 20  # bytes one cat_ranges call fetches (held in memory at once)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 Run = tuple[int, Sequence[memoryview]]  # (file offset, buffers filled back to back from there)
+# fsspec backends' HTTP clients, whose errors are not OSError (botocore's EndpointConnectionError
+# for an endpoint that does not answer, NoCredentialsError, aiohttp's timeouts)
+STORE_CLIENTS = frozenset({"botocore", "aiobotocore", "aiohttp", "requests", "urllib3", "google", "azure"})
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def store_failures(where: str) -> Iterator[None]:
+    """A store client's own error becomes a CheckpointError naming ``where``: left as it
+    was, it named an internal request (a listing URL) and passed every ``except OSError``
+    handler of the callers."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, OSError) or type(exc).__module__.partition(".")[0] not in STORE_CLIENTS:
+            raise
+        raise CheckpointError(f"{where}: the object store failed ({type(exc).__name__}: {exc})") from exc
+
+
+def store_errors(method: F) -> F:
+    """``store_failures`` around a method of an object with a ``url``."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with store_failures(self.url):
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def _is_url(text: str) -> bool:
@@ -395,11 +424,13 @@ class FsspecLocation(Location):
         self.root = root.rstrip("/") or root
         self.url = fs.unstrip_protocol(self.root)
 
+    @store_errors
     def exists(self, name: str) -> bool:
         full = self.path(name)
         with self._file_errors(name):
             return bool(self.fs.exists(full))
 
+    @store_errors
     def size(self, name: str) -> int | None:
         try:
             return int(self.fs.size(self.path(name)))
@@ -416,6 +447,7 @@ class FsspecLocation(Location):
     def stamp_of(self, signature: tuple[Any, ...] | None) -> list[Any] | None:
         return None if signature is None or signature[1] is None else list(signature[:2])  # size, ETag or mtime
 
+    @store_errors
     def _info(self, name: str) -> dict[str, Any] | None:
         full = self.path(name)
         try:
@@ -424,6 +456,7 @@ class FsspecLocation(Location):
         except OSError:
             return None
 
+    @store_errors
     def listdir(self, name: str = "") -> list[str]:
         full = self.path(name) if name else self.root
         self.fs.invalidate_cache(full)  # other processes write here too
@@ -432,19 +465,23 @@ class FsspecLocation(Location):
         except FileNotFoundError:
             return []
 
+    @store_errors
     def walk(self) -> list[str]:
         self.fs.invalidate_cache(self.root)
         return [posixpath.relpath(p, self.root) for p in self.fs.find(self.root)]
 
+    @store_errors
     def _read_all(self, full: str) -> bytes:
         return bytes(self.fs.cat_file(full))
 
+    @store_errors
     def _open_file(self, full: str) -> IO[bytes]:
         return self.fs.open(full, "rb")  # type: ignore[no-any-return]
 
     def _range_reader(self, full: str) -> RangeReader:
         return FsspecRangeReader(self.fs, full)
 
+    @store_errors
     def makedirs(self) -> bool:
         with self._directory_errors():
             existed = self.fs.isdir(self.root)
@@ -460,12 +497,14 @@ class FsspecLocation(Location):
 
     @contextlib.contextmanager
     def _open_for_write(self, full: str, sync: bool) -> Iterator[IO[bytes]]:
-        with self.fs.open(full, "wb") as f:  # durable once closed: object stores have no fsync
+        with store_failures(self.url), self.fs.open(full, "wb") as f:  # durable once closed: stores have no fsync
             yield f
 
+    @store_errors
     def replace(self, src: str, dst: str) -> None:
         self.fs.mv(self.path(src), self.path(dst))
 
+    @store_errors
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(name))
@@ -517,10 +556,12 @@ class FsspecRangeReader(RangeReader):
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
         self.fs, self.path = fs, path
+        self.url = fs.unstrip_protocol(path)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         return self.read_runs([(offset, buffers)])
 
+    @store_errors
     def read_runs(self, runs: Sequence[Run]) -> int:
         total = 0
         for batch in _batches(_parts(runs, PART_BYTES), BATCH_BYTES):

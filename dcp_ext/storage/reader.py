@@ -181,7 +181,7 @@ class ShardReader(StorageReader):
             try:
                 metadata = self._open_metadata(rank)
             except CheckpointError as exc:
-                if rank is None or self._metadata_error is None or self.location.exists(rank_metadata_name(rank)):
+                if rank is None or self._metadata_error is None or self._has_rank_metadata(rank):
                     self._metadata_error = exc if rank is None else None
                     raise
                 # DCP asks for per-rank metadata after any failure: the first one is the one to report
@@ -189,6 +189,14 @@ class ShardReader(StorageReader):
         self._metadata_error = None
         self.stats.seconds += self.clock.seconds["metadata"]
         return metadata
+
+    def _has_rank_metadata(self, rank: int) -> bool:
+        """Whether the rank's own metadata file is there; no when the storage cannot tell
+        (an object store that does not answer failed the first read too)."""
+        try:
+            return self.location.exists(rank_metadata_name(rank))
+        except CheckpointError:
+            return False
 
     def _open_metadata(self, rank: int | None) -> Metadata:
         """``rank``: DCP asks for that rank's own metadata when ``.metadata`` is missing (a

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.errors import rank_failure
 from dcp_ext.formats.index import PREVIOUS_INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.runtime.crash import CRASH_ENV
@@ -282,3 +283,23 @@ def test_wrong_credentials_are_named_with_the_checkpoint_and_file():
     assert len(lines) == 2, result.stdout + result.stderr[-3000:]
     assert "s3://bkt/ckpt: cannot read .metadata (Forbidden)" in lines[0], lines
     assert lines[1].startswith("s3://bkt/new: cannot create the checkpoint directory (The AWS Access Key Id"), lines
+
+
+def test_an_endpoint_that_does_not_answer_is_named_with_the_checkpoint():
+    """botocore's EndpointConnectionError is no OSError: it passed every handler and named
+    only an internal request (a listing URL), for the save, and for the load twice over
+    (DCP's retry with per-rank metadata asked the store again and reported that)."""
+    options = {"key": "x", "secret": "x", "skip_instance_cache": True,
+               "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-west-2"},  # port 9: nothing listens
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    state = {"w": torch.ones(4)}
+    with pytest.raises(BaseException) as saved:
+        dcp.save(state, storage_writer=ShardWriter("s3://bkt/ckpt", storage_options=options), planner=ShardSavePlanner(), no_dist=True)
+    with pytest.raises(BaseException) as loaded:
+        dcp.load(state, storage_reader=ShardReader("s3://bkt/ckpt", storage_options=options), no_dist=True)
+    failure = rank_failure(saved.value)
+    assert isinstance(failure, CheckpointError), repr(failure)
+    assert str(failure).startswith("s3://bkt/ckpt: the object store failed (EndpointConnectionError"), failure
+    message = str(rank_failure(loaded.value))
+    assert message.count("s3://bkt/ckpt: the object store failed (EndpointConnectionError") == 2, message
+    assert "__0.metadata" not in message, message
