@@ -104,7 +104,7 @@ def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptio
     if cached is not None:
         return cached[1]
     shapes = _reformulated_shapes(catalog)
-    view = merge_tp_replica_keys(catalog)  # first: it builds a new catalog, without parsed layouts
+    view = merge_tp_replica_keys(catalog)  # first: its view starts without parsed layouts
     view = _restore_flattened(location, view, shapes) if shapes else view
     _VIEWS.put(id(catalog), (catalog, view))
     return view
@@ -158,9 +158,8 @@ def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, t
                 items[box], box_layouts[box] = _record_item(catalog.item(index)), layout
         entries[key] = tensor_metadata(md.properties, shape, chunks)
     restored = Metadata(entries, metadata.planner_data, None, metadata.storage_meta, metadata.version)
-    caches = {f.name: f.default_factory() for f in dataclasses.fields(catalog) if f.name.startswith("_")}
-    caches["_layouts"] = box_layouts  # what known_layout answers for a box: a view into its record
-    return dataclasses.replace(catalog, metadata=restored, items=items, **caches)  # copies and inline kept
+    # _layouts: what known_layout answers for a box, a view into its record
+    return catalog.derived(metadata=restored, items=items, _layouts=box_layouts)
 
 
 def _record_item(item: StoredItem) -> StoredItem:

@@ -47,4 +47,4 @@ def merge_tp_replica_keys(catalog: Catalog) -> Catalog:
                 if MetadataIndex(fqn, chunk.offsets) in catalog.items
             ]
     metadata = dataclasses.replace(catalog.metadata, state_dict_metadata=entries)
-    return Catalog(catalog.url, metadata, items, catalog.indexed, catalog.committed, catalog.signature, copies)
+    return catalog.derived(metadata=metadata, items=items, copies=copies)

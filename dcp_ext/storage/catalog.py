@@ -18,7 +18,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import crc32c
@@ -59,6 +59,13 @@ class Catalog:
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def derived(self, **changes: Any) -> Catalog:
+        """A view of the same checkpoint with ``changes`` (its metadata or items rewritten,
+        e.g. by a Megatron view): every other fact kept (format, fingerprint, inline items,
+        TP-replica copies), the per-key caches started afresh unless given."""
+        caches = {f.name: f.default_factory() for f in fields(self) if f.name.startswith("_")}  # type: ignore[misc]
+        return replace(self, **(caches | changes))
 
     def files(self) -> set[str]:
         """Every data file the checkpoint references (stored items and TP-replica copies)."""

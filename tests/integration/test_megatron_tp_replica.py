@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 
+import crc32c
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,5 +97,10 @@ def test_replicas_stay_each_ranks_own_beside_flattened_ranges(tmp_path):
 
 def test_postfixed_replicas_load_from_each_ranks_own_file(tmp_path):
     run_job(_megatron_style_save, 2, str(tmp_path))
+    reader = ShardReader(tmp_path, cache_metadata=False)
+    reader.read_metadata()
+    assert "norm.weight" in reader.catalog.metadata.state_dict_metadata
+    # the merged view is the same checkpoint: two-stage groups tell checkpoints apart by it (it was 0)
+    assert reader.catalog.fingerprint == crc32c.crc32c((tmp_path / ".metadata").read_bytes())
     assert run_job(_load_plain_key, 2, str(tmp_path)) == [1, 1]  # own file only
     assert run_job(_load_plain_key, 1, str(tmp_path)) == [2]  # TP degree changed: any replica
