@@ -462,8 +462,9 @@ class MetadataCache:
     def evict(self, catalog: Catalog) -> None:
         """Forget ``catalog``'s entry if it still holds it: a load found one of its data
         files missing, so the entry may be stale in a way no signature showed."""
-        if catalog.cache_key is not None:
-            self._catalogs.discard(catalog.cache_key, catalog)
+        held = None if catalog.cache_key is None else self._catalogs.get(catalog.cache_key)
+        if held is not None and held.signature == catalog.signature:  # it, or the one a view was made of
+            self._catalogs.discard(catalog.cache_key, held)
 
     def peek(self, location: Location, variant: tuple[Any, ...] = ()) -> Catalog | None:
         """The entry held for ``location`` read as ``variant``, without checking storage."""

@@ -211,6 +211,28 @@ def test_a_load_that_finds_a_data_file_missing_drops_the_cached_metadata(tmp_pat
     assert_state_dict_equal(got, state)
 
 
+def test_a_missing_data_file_drops_the_cached_metadata_under_a_megatron_view(tmp_path):
+    """The reader holds a view of the cached catalog (TP-replica keys merged): evicting the
+    view left the entry it was made of in the cache."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    norm = torch.linspace(-1, 1, 16)
+    dcp.save({"norm.weight.__tp_replica_0": norm}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    torch.save({"iteration": 1}, tmp_path / "common.pt")
+    state = {"norm.weight": torch.full((16,), float("nan"))}
+    load(state, tmp_path)  # cached
+    name = next(n for n in os.listdir(tmp_path) if is_data_file(n))
+    os.rename(tmp_path / name, tmp_path / "aside")
+    assert "data file is missing" in str(load_error(state, tmp_path))
+    os.rename(tmp_path / "aside", tmp_path / name)
+    got, reader = load(state, tmp_path)
+    assert reader.stats.metadata_reads == 1
+    assert torch.equal(got["norm.weight"], norm)
+
+
 def test_clear_caches_empties_every_cache(tmp_path):
     """One call forgets parsed metadata (every format's) and global save plans."""
     from dcp_ext import clear_caches
