@@ -44,7 +44,7 @@ def chunk_digest(tensor: torch.Tensor) -> bytes:
         sample = torch.take(bits, _sample_index(flat.numel(), flat.device))
     else:
         sample = bits.reshape(-1)
-    data = sample.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    data = sample.cpu().numpy().tobytes()  # C order whatever the strides (a 1-element view may keep any stride)
     header = f"{flat.dtype}{tuple(flat.shape)}".encode()
     return hashlib.blake2b(header + data, digest_size=16).digest()
 

@@ -238,3 +238,16 @@ def _scalar_dtensor_async_job(rank: int, world: int, path: str) -> None:
 @pytest.mark.mp
 def test_async_save_stages_a_0d_dtensor(tmp_path):
     run_job(_scalar_dtensor_async_job, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.bool, torch.float8_e4m3fn])
+def test_views_of_one_element_with_any_stride_save_and_load(tmp_path, dtype):
+    """A 1-element view keeps its parent's stride (``w[:1, 1]``: stride 2), which torch
+    counts as contiguous: the save plan's replica digest viewed it as bytes and failed
+    ("self.stride(-1) must be 1"). Stock saves it."""
+    base = torch.randn(5, 6).to(dtype) if dtype != torch.complex64 else torch.randn(5, 6, dtype=dtype)
+    state = {"column_row": base[:1, 1], "corner": base[:1, :1].t()[:, :1], "empty": base[:0, 1], "scalar_view": base[2, 3]}
+    assert state["column_row"].stride() == (6,) and state["column_row"].is_contiguous()
+    save(state, tmp_path)
+    got, _ = load({k: garbage_like(v.clone()) for k, v in state.items()}, tmp_path)
+    assert_state_dict_equal(got, {k: v.clone() for k, v in state.items()})
