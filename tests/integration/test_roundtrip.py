@@ -319,3 +319,28 @@ def test_stored_numbers_for_one_tensor_under_several_keys_stay_apart(tmp_path):
     assert_state_dict_equal(state, {"g0.lr": torch.tensor(0.5, dtype=torch.float64),
                                     "g1.lr": torch.tensor(0.25, dtype=torch.float64), "flag": torch.tensor(1)})
     assert shared.item() == -1.0 and state["flag"] is flag  # a tensor of one key is still filled in place
+
+
+FULL = torch.arange(256.0).reshape(4, 64)
+
+
+def grad_destination_job(rank: int, world: int, path: str) -> None:
+    """Saved as column shards; loaded into replicated DTensors made with ``from_local`` over
+    tensors that require grad (a module's own parameters wrapped by hand), so each
+    destination is filled from several chunks, the later ones after the first was written."""
+    mesh = init_device_mesh("cpu", (world,))
+    state = {f"w{i}": DTensor.from_local(FULL[:, rank * 32:(rank + 1) * 32] + i, mesh, [Shard(1)], run_check=False) for i in range(4)}
+    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+    locals_ = {f"w{i}": torch.full((4, 64), float("nan"), requires_grad=True) for i in range(4)}
+    out = {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) for k, v in locals_.items()}
+    dcp.load(out, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+    for i in range(4):
+        assert torch.equal(locals_[f"w{i}"].detach(), FULL + i), f"rank {rank} w{i}"
+
+
+@pytest.mark.mp
+def test_dtensors_over_tensors_that_require_grad_load_from_several_chunks(tmp_path):
+    """ShardLoadPlanner narrowed the local tensor of ``from_local``, a view made in no-grad
+    mode: after the first read wrote into it, the next narrow raised autograd's "A view was
+    created in no_grad mode and its base ... has been modified inplace". Stock loads it."""
+    run_job(grad_destination_job, 2, str(tmp_path))
