@@ -323,7 +323,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         into it in place raised autograd's "view was created in no_grad mode"."""
         fqn = read_item.dest_index.fqn
         obj = self.state_dict.get(fqn)
-        if type(obj) is DTensor:
+        if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:  # not torchrec's LocalShardsWrapper
             local = obj._local_tensor
         elif type(obj) is torch.Tensor and not any(read_item.dest_index.offset or ()):
             local = obj

@@ -320,7 +320,7 @@ def test_stock_per_rank_metadata_checkpoint_loads(tmp_path, capsys):
     assert "__0.metadata, ... are per-rank metadata of dcp.save(use_collectives=False)" in capsys.readouterr().err
 
 
-def local_shards_wrapper_job(rank: int, world: int, path: str) -> None:
+def local_shards_wrapper_job(rank: int, world: int, path: str, writer: str, planner: str) -> None:
     """A DTensor over a LocalShardsWrapper (torchrec's layout: several shards per rank,
     the wrapper reporting a made-up concatenated shape of 90 elements for 60)."""
     from torch.distributed.tensor import DTensor
@@ -335,15 +335,19 @@ def local_shards_wrapper_job(rank: int, world: int, path: str) -> None:
         local = LocalShardsWrapper(shards, [(0, 0), (0, 5), (4, 5)])
         return DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=table.shape, stride=table.stride()), shards
 
-    dcp.save({"t": wrapped(False)[0]}, storage_writer=dcp.FileSystemWriter(path))
-    dest, shards = wrapped(True)  # DCP's planner: ShardLoadPlanner narrows the wrapper itself, which it refuses
-    dcp.load({"t": dest}, storage_reader=ShardReader(path), planner=DefaultLoadPlanner())
+    storage_writer = dcp.FileSystemWriter(path) if writer == "stock" else ShardWriter(path)
+    dcp.save({"t": wrapped(False)[0]}, storage_writer=storage_writer, planner=None if writer == "stock" else ShardSavePlanner())
+    dest, shards = wrapped(True)
+    dcp.load({"t": dest}, storage_reader=ShardReader(path), planner=DefaultLoadPlanner() if planner == "default" else ShardLoadPlanner())
     for shard, box in zip(shards, boxes):
         assert torch.equal(shard, table[box])
 
 
 @pytest.mark.mp
-def test_a_dtensor_over_local_shards_wrapper_loads(tmp_path):
+@pytest.mark.parametrize("writer", ["stock", "ours"])
+@pytest.mark.parametrize("planner", ["default", "ours"])
+def test_a_dtensor_over_local_shards_wrapper_loads(tmp_path, writer, planner):
     """The every-element check counts the wrapper's own chunks, as DCP plans them (it
-    refused this load: "holds 60 of the 90 elements")."""
-    run_job(local_shards_wrapper_job, 1, str(tmp_path))
+    refused this load: "holds 60 of the 90 elements"); ShardLoadPlanner narrowed the
+    wrapper itself, which refuses ``aten.slice``: it leaves such a DTensor to DCP's lookup."""
+    run_job(local_shards_wrapper_job, 1, str(tmp_path), writer, planner)
