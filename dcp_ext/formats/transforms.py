@@ -43,7 +43,7 @@ def decode(descriptors: Sequence[str], stored: bytes | bytearray, where: str, li
             "FileSystemReader(path, _extension_registry=...) holding the writer's extensions"
         ) from None
     try:
-        stream: io.IOBase = io.BytesIO(stored)
+        stream: io.IOBase = _BufferStream(stored)
         for extension in extensions:
             if isinstance(extension, StreamTransformExtension):
                 stream = extension.transform_from(stream)
@@ -55,3 +55,21 @@ def decode(descriptors: Sequence[str], stored: bytes | bytearray, where: str, li
     if len(record) > limit:
         raise CorruptCheckpointError(f"{where}: stream transforms {list(descriptors)} expand past {limit} bytes")
     return record
+
+
+class _BufferStream(io.RawIOBase):
+    """A readable stream over bytes in memory without copying them (``io.BytesIO`` copies
+    a bytearray: a second copy of each compressed record while it was decoded)."""
+
+    def __init__(self, data: bytes | bytearray):
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        n = max(0, min(len(buffer), len(self.data) - self.pos))
+        buffer[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n

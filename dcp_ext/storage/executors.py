@@ -24,6 +24,7 @@ from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
 
 TASK_BYTES = 32 << 20  # least bytes one thread reads before the next task is picked
+SCRATCH_BYTES = 64 << 20  # temporary memory the requests one thread reads at once allocate (or one request's)
 SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
 GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
 DEFAULT_BUDGET_BYTES = 256 << 20  # two-stage: bytes of stored data in flight per batch
@@ -142,14 +143,15 @@ class ScatterReads:
         total = 0
         try:
             with self.settings.location.open_reader(path, key) as reader:
-                runs = coalesce(task)
-                total = reader.read_runs(runs) if self.staging is None else self.staging.read(reader, runs)
+                for batch in scratch_batches(task, SCRATCH_BYTES):  # each completes before the next is read
+                    runs = coalesce(batch)
+                    total += reader.read_runs(runs) if self.staging is None else self.staging.read(reader, runs)
+                    for request in batch:
+                        request.complete()
         except FileNotFoundError:
             raise self.settings.missing(path, key) from None
         except OSError as exc:
             raise CheckpointError(f"{self.settings.location.url}: file {path!r} key {key!r}: cannot read ({exc})") from exc
-        for request in task:
-            request.complete()
         return total
 
 
@@ -180,6 +182,22 @@ def file_tasks(requests: Iterable[Request], limit: int) -> Iterator[list[Request
             task_bytes += request.nbytes
         if task:
             yield task
+
+
+def scratch_batches(task: list[Request], limit: int) -> Iterator[list[Request]]:
+    """The task's requests in order, cut where the temporary memory their targets allocate
+    would pass ``limit`` (a request above it goes alone): a task of verified partial reads
+    or compressed records allocated every record's buffer before its first read."""
+    batch: list[Request] = []
+    held = 0
+    for request in task:
+        if batch and request.scratch_bytes and held + request.scratch_bytes > limit:
+            yield batch
+            batch, held = [], 0
+        batch.append(request)
+        held += request.scratch_bytes
+    if batch:
+        yield batch
 
 
 def coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:

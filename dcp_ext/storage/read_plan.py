@@ -15,6 +15,7 @@ fills through host staging buffers (``device_staging``).
 from __future__ import annotations
 
 import io
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from dcp_ext.errors import (
     InvalidRequestError,
 )
 from dcp_ext.formats.index import StoredItem
-from dcp_ext.formats.torch_record import TensorLayout, numel
+from dcp_ext.formats.torch_record import TensorLayout, check_within_storage, numel, parse_tensor_record
 from dcp_ext.formats.transforms import decode
 from dcp_ext.storage.device_staging import DeviceSpan, Target
 
@@ -52,6 +53,7 @@ class Request:
     targets: Callable[[], list[Target]]  # allocated when the request runs
     complete: Callable[[], None] = _nothing  # verify / copy into the destination
     device: torch.device | None = None  # set: targets are DeviceSpans, filled through host staging
+    scratch_bytes: int = 0  # temporary memory its targets allocate (0: they are the destination's)
 
     @property
     def start(self) -> int:
@@ -129,59 +131,58 @@ class Verification:
             )
 
 
-def bytes_request(item: StoredItem, key: str, where: str, verify: bool) -> tuple[Request, bytearray]:
-    """Read a whole bytes item; returns the request and the buffer it fills."""
-    buf = bytearray(item.length)
+def whole_record_request(
+    item: StoredItem, key: str, where: str, verify: bool, deliver: Callable[[bytes | bytearray], None], limit: int = 0
+) -> Request:
+    """Read a whole record: a bytes item, or a record stored through stream transforms
+    (compression), decoded to at most ``limit`` bytes. Checked against its stored-bytes
+    checksum when asked, then handed to ``deliver`` on the reading thread. Its buffer is
+    allocated when the request runs and dropped once delivered, so a load of compressed
+    records holds those in flight, not every one it has read."""
+    held: list[bytearray] = []
     check = Verification("crc32c", item.checksum, where) if verify and item.checksum is not None else None
 
-    def complete() -> None:
-        if check is not None:
-            check.check([memoryview(buf)])
-
-    request = Request(item.relative_path, key, [(item.offset, item.length)], lambda: [memoryview(buf)], complete)
-    return request, buf
-
-
-def transformed_request(
-    item: StoredItem, key: str, where: str, verify: bool, limit: int
-) -> tuple[Request, list[bytes]]:
-    """A record stored through stream transforms (compression): read whole, checked against
-    its stored-bytes checksum when asked, decoded (to at most ``limit`` bytes). Returns the
-    request and the list that holds the decoded record once it completed."""
-    buf = bytearray(item.length)
-    check = Verification("crc32c", item.checksum, where) if verify and item.checksum is not None else None
-    decoded: list[bytes] = []
+    def targets() -> list[Target]:
+        held.append(bytearray(item.length))
+        return [memoryview(held[-1])]
 
     def complete() -> None:
+        buf = held.pop()
         if check is not None:
             check.check([memoryview(buf)])
-        decoded.append(decode(item.transforms, buf, where, limit))
+        deliver(decode(item.transforms, buf, where, limit) if item.transforms else buf)
 
-    return Request(item.relative_path, key, [(item.offset, item.length)], lambda: [memoryview(buf)], complete), decoded
+    return Request(item.relative_path, key, [(item.offset, item.length)], targets, complete, scratch_bytes=item.length)
 
 
 def copy_record_box(
-    record: bytes, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor, where: str, verify: bool
+    record: bytes | bytearray, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor, where: str, verify: bool
 ) -> None:
-    """Copy a box of the tensor in a decoded ``torch.save`` record into ``dest``.
+    """Copy a box of the tensor in a decoded ``torch.save`` record into ``dest``, straight
+    out of the record's bytes (``torch.load`` would copy the whole tensor out first: a
+    load of compressed records held each one twice).
 
     ``verify`` checks the CRC-32 of every zip entry of the record (what stock records carry).
     """
-    archive = io.BytesIO(record)
     if verify:
         try:
-            bad = zipfile.ZipFile(archive).testzip()
+            bad = zipfile.ZipFile(io.BytesIO(record)).testzip()
         except (zipfile.BadZipFile, zlib.error) as exc:
             raise CorruptCheckpointError(f"{where}: decoded record is no torch.save archive ({exc})") from None
         if bad is not None:
             raise ChecksumMismatchError(f"{where}: crc32 mismatch in record entry {bad!r}; the stored bytes are corrupt")
-        archive.seek(0)
-    try:
-        tensor = torch.load(archive, map_location="cpu", weights_only=True)
-    except Exception as exc:  # untrusted bytes: anything torch.load trips over is corruption
-        raise CorruptCheckpointError(f"{where}: decoded record is unreadable ({type(exc).__name__}: {exc})") from None
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(offsets):
-        raise CorruptCheckpointError(f"{where}: decoded record holds no {len(offsets)}-d tensor")
+    data = memoryview(record)
+    layout = parse_tensor_record(len(data), lambda at, n: bytes(data[at : at + n]), f"{where}: decoded record")
+    end = layout.payload_offset + layout.payload_nbytes
+    if len(layout.shape) != len(offsets) or end > len(data) or layout.payload_nbytes % layout.dtype.itemsize:
+        raise CorruptCheckpointError(f"{where}: decoded record holds no {len(offsets)}-d tensor within its bytes")
+    count = layout.payload_nbytes // layout.dtype.itemsize
+    check_within_storage(layout, count, where)
+    with warnings.catch_warnings():  # a decoded record is read-only bytes, and only read here
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.frombuffer(data, dtype=layout.dtype, count=count, offset=layout.payload_offset) if count else (
+            torch.empty(0, dtype=layout.dtype))
+    tensor = layout.values(storage.as_strided(layout.shape, layout.stride, layout.storage_offset))
     dest.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])
 
 
@@ -315,7 +316,7 @@ def _dense_request(box: BoxRead) -> Request:
         return [data[i * run_bytes : (i + 1) * run_bytes] for i in range(len(ranges))]
 
     return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(box.layout.values(temp.release())),
-                   box.device)
+                   box.device, numel(box.lengths) * dtype.itemsize)
 
 
 def _dest_runs(dest: torch.Tensor, outer: int, run_bytes: int, staged: bool) -> list[Target]:
@@ -335,7 +336,7 @@ def _span_request(box: BoxRead, first: int, last: int) -> Request:
     span = Scratch(last - first, box.layout.dtype, box.device)
     ranges = [(box.base + first * itemsize, (last - first) * itemsize)]
     return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get(), box.device is not None)],
-                   lambda: box.copy_from(span.release(), -first), box.device)
+                   lambda: box.copy_from(span.release(), -first), box.device, ranges[0][1])
 
 
 def _strided_request(box: BoxRead) -> Request:
@@ -347,7 +348,7 @@ def _strided_request(box: BoxRead) -> Request:
     span = Scratch(extent, layout.dtype, box.device)
     ranges = [(box.base + first * layout.dtype.itemsize, extent * layout.dtype.itemsize)]
     return Request(box.path, box.key, ranges, lambda: [tensor_bytes(span.get(), box.device is not None)],
-                   lambda: box.copy_from(span.release(), layout.storage_offset - first), box.device)
+                   lambda: box.copy_from(span.release(), layout.storage_offset - first), box.device, ranges[0][1])
 
 
 def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
@@ -390,4 +391,4 @@ def _verified_request(item: StoredItem, box: BoxRead, where: str) -> Request:
         else:
             box.copy_from(scratch.release(), layout.storage_offset)
 
-    return Request(item.relative_path, box.key, ranges, targets, complete, box.device)
+    return Request(item.relative_path, box.key, ranges, targets, complete, box.device, 0 if direct else layout.payload_nbytes)

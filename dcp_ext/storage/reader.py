@@ -45,10 +45,9 @@ from dcp_ext.storage.executors import (
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
     Request,
-    bytes_request,
     copy_record_box,
     tensor_requests,
-    transformed_request,
+    whole_record_request,
 )
 from dcp_ext.storage.shared_metadata import open_shared_catalog
 
@@ -518,21 +517,20 @@ class ShardReader(StorageReader):
         self, stored: StoredItem, read_item: ReadItem, planner: LoadPlanner, where: str, commits: list[Callable[[], None]]
     ) -> Request:
         """Bytes items and records stored through stream transforms are read whole; a
-        transformed record is decoded once it lands, then delivered like a plain one."""
-        if stored.transforms:
-            limit = record_limit(self._require_catalog().chunk_nbytes(read_item.storage_index))
-            request, record = transformed_request(stored, read_item.storage_index.fqn, where, self.verify_checksums, limit)
-        else:
-            request, buf = bytes_request(stored, read_item.storage_index.fqn, where, self.verify_checksums)
-            record = [buf]
+        transformed record is decoded once it lands and its box copied out right there (the
+        reading thread), so only the records in flight are held. A bytes item goes to the
+        planner with the commits, on the calling thread."""
+        fqn = read_item.storage_index.fqn
+        limit = record_limit(self._require_catalog().chunk_nbytes(read_item.storage_index)) if stored.transforms else 0
         if read_item.type == LoadItemType.BYTE_IO:
-            commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(record[0])))
-            return request
+            landed: list[bytes | bytearray] = []
+            commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(landed[0])))
+            return whole_record_request(stored, fqn, where, self.verify_checksums, landed.append, limit)
         dest = self._destination(read_item, planner, where)
         box = (tuple(read_item.storage_offsets), tuple(read_item.lengths))
-        commits.append(lambda: copy_record_box(record[0], *box, dest, where, self.verify_checksums))
         commits.append(lambda: planner.commit_tensor(read_item, dest))
-        return request
+        copy_box = lambda record: copy_record_box(record, *box, dest, where, self.verify_checksums)  # noqa: E731
+        return whole_record_request(stored, fqn, where, self.verify_checksums, copy_box, limit)
 
     def _destination(self, read_item: ReadItem, planner: LoadPlanner, where: str) -> torch.Tensor:
         dest = planner.resolve_tensor(read_item).detach()

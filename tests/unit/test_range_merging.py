@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dcp_ext.exchange.two_stage import SEGMENT_BYTES, Segment, plan_segments
-from dcp_ext.storage.executors import GAP_BYTES, SMALL_GAP_BYTES, TASK_BYTES, coalesce, file_tasks, task_limit
+from dcp_ext.storage.executors import GAP_BYTES, SMALL_GAP_BYTES, TASK_BYTES, coalesce, file_tasks, scratch_batches, task_limit
 from dcp_ext.storage.read_plan import Request
 
 
@@ -135,3 +135,16 @@ def test_empty_needs_make_no_segment():
 def test_a_segment_gives_each_rank_its_clipped_merged_parts(needs, want):
     segment = Segment("a", 0, 100, needs={3: needs})
     assert segment.wanted(3) == want
+
+
+def test_a_task_is_read_in_batches_of_bounded_scratch_memory():
+    """Requests whose targets allocate temporaries (verified partial reads, compressed
+    records) are cut into batches that allocate at most the limit, or one request alone;
+    reads into the destination (no scratch) never cut a batch."""
+    def sized(scratch: int) -> Request:
+        return Request("f", "k", [(0, 1)], lambda: [], scratch_bytes=scratch)
+
+    task = [sized(40), sized(0), sized(30), sized(100), sized(0), sized(0), sized(10), sized(60)]
+    batches = [[r.scratch_bytes for r in batch] for batch in scratch_batches(task, 64)]
+    assert batches == [[40, 0], [30], [100, 0, 0], [10], [60]]
+    assert [len(b) for b in scratch_batches([sized(0)] * 5, 64)] == [5]
