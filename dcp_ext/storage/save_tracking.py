@@ -17,7 +17,8 @@ point, or the thread that ran it leaves ``dcp.save``. This module watches the se
   so every rank runs its k-th call as its k-th save and the ranks pair the same saves,
   however their upload threads are scheduled; any other save (a plain ``dcp.save``, one
   staged by another stager) takes its turn when it reaches the writer. Each turn has a
-  number, which the ranks compare in the plan exchange (``ShardWriter``).
+  number among the saves on its process group, which the ranks compare in the plan exchange
+  (``ShardWriter``).
 * ``OPEN_SAVES``: saves a coordinator planned but has not committed, process-wide. Once
   the thread that ran one has left ``dcp.save`` it failed; the next save (through any
   writer) or ``ShardWriter.close()`` removes its files from its directory, including
@@ -37,6 +38,7 @@ import time
 import types
 from collections.abc import Iterator
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -79,6 +81,19 @@ def _own_frames(code: frozenset[types.CodeType]) -> Iterator[types.FrameType]:
         frame = frame.f_back
 
 
+def save_group() -> object:
+    """Which ranks the caller's save (or async save) runs on: saves through a writer are
+    numbered per group, since the ranks outside a sub-group do not count its saves (one
+    rank-0 save on its own put every later save's numbers out of step for good)."""
+    for frame in _own_frames(_SAVE_CODES | {_ASYNC_SAVE_CODE}):
+        if "process_group" not in frame.f_locals:
+            continue
+        if frame.f_locals.get("no_dist") or not dist.is_initialized():
+            return "no_dist"
+        return tuple(dist.get_process_group_ranks(frame.f_locals["process_group"] or dist.group.WORLD))
+    return None
+
+
 def uploads_on_a_thread() -> bool:
     """Whether the caller is inside ``dcp.async_save`` with DCP's thread executor: its upload
     then runs ``dcp.save`` on a thread of this process, which will come for a turn."""
@@ -92,7 +107,7 @@ def uploads_on_a_thread() -> bool:
 class Turn:
     """One save's place in a writer's order."""
 
-    number: int  # the save's position among the saves through the writer on this rank
+    number: int  # the save's position among the saves on its process group through the writer on this rank
     staged: object = None  # a save the writer staged: its staged state dict, until its thread comes
     thread: threading.Thread | None = None  # the thread running the save, once it came
     set_up: bool = False  # the save passed its last begin call: the thread's next one is a new save
@@ -113,7 +128,7 @@ class SaveSlot:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._numbers = itertools.count()
+        self._numbers: dict[object, itertools.count[int]] = {}  # per process group (``save_group``)
         self._waiting: list[Turn] = []  # in turn order
         self._holder: Turn | None = None  # the save admitted last
 
@@ -123,7 +138,11 @@ class SaveSlot:
     def issue(self, staged: object) -> None:
         """Give the save whose state dict was just staged, on the caller's thread, the next turn."""
         with self._lock:
-            self._waiting.append(Turn(next(self._numbers), staged=staged))
+            self._waiting.append(Turn(self._next_number(), staged=staged))
+
+    def _next_number(self) -> int:
+        """The caller's save's number among the saves on its group (under the lock)."""
+        return next(self._numbers.setdefault(save_group(), itertools.count()))
 
     def enter(self, set_up: bool) -> int | None:
         """Wait for this save's turn and hold the slot; the save's number, or None when this
@@ -135,7 +154,7 @@ class SaveSlot:
         me = threading.current_thread()
         if not thread_in_save(me.ident):
             with self._lock:
-                return next(self._numbers)
+                return self._next_number()
         with self._lock:
             if self._holder is not None and self._holder.thread is me:
                 if not self._holder.set_up:
@@ -165,7 +184,7 @@ class SaveSlot:
             if turn.thread is None and any(turn.staged is state_dict for state_dict in saving):
                 turn.thread, turn.staged = me, None
                 return turn
-        turn = Turn(next(self._numbers), thread=me)
+        turn = Turn(self._next_number(), thread=me)
         self._waiting.append(turn)
         return turn
 
@@ -259,7 +278,7 @@ class SaveOrder:
     on every rank when the ranks pair the same saves (``SaveSlot`` turns). Its presence also
     tells ``ShardSavePlanner`` that the writer files TP-replica copies in its index."""
 
-    number: int  # the save's turn among the saves through this rank's writer
+    number: int  # the save's turn among the saves on its process group through this rank's writer
     checkpoint: str
 
 

@@ -590,6 +590,38 @@ def test_ranks_pairing_different_saves_are_refused(tmp_path):
     assert_state_dict_equal(loaded, expected, "step 2")
 
 
+def sub_group_then_job_saves(rank: int, world: int, base: str) -> None:
+    """One writer per rank: rank 0 alone saves through it (a sub-group, then no_dist), then
+    every rank saves (plain and async) into a directory each."""
+    writer = ShardWriter(base)
+    solo = dist.new_group([0])
+    if rank == 0:
+        dcp.save({"extra": torch.ones(4)}, storage_writer=writer, planner=ShardSavePlanner(), process_group=solo,
+                 checkpoint_id=os.path.join(base, "extra"))
+        dcp.save({"alone": torch.ones(4)}, storage_writer=writer, planner=ShardSavePlanner(), no_dist=True,
+                 checkpoint_id=os.path.join(base, "alone"))
+    for step in range(3):
+        sd = {f"r{rank}": torch.full((64,), float(step))}
+        path = os.path.join(base, f"step{step}")
+        if step == 1:
+            writer.async_save(sd, planner=ShardSavePlanner(), checkpoint_id=path).result(timeout=60)
+        else:
+            dcp.save(sd, storage_writer=writer, planner=ShardSavePlanner(), checkpoint_id=path)
+
+
+@pytest.mark.mp
+def test_saves_through_one_writer_on_a_sub_group_leave_later_job_saves_paired(tmp_path):
+    """Saves are numbered per process group: rank 0's saves on its own had every later
+    save of the whole job refused, for good ("the ranks paired different saves"). Stock
+    saves them."""
+    run_job(sub_group_then_job_saves, 2, str(tmp_path))
+    for step in range(3):
+        expected = {name: torch.full((64,), float(step)) for name in ("r0", "r1")}
+        loaded = {name: garbage_like(value) for name, value in expected.items()}
+        dcp.load(loaded, storage_reader=ShardReader(tmp_path / f"step{step}"), planner=ShardLoadPlanner(), no_dist=True)
+        assert_state_dict_equal(loaded, expected, f"step {step}")
+
+
 # -- without a process group ------------------------------------------------------------------
 
 
