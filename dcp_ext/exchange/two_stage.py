@@ -113,6 +113,21 @@ def _batches(segments: list[Segment], budget: int) -> list[list[int]]:
     return [b for b in batches if b]
 
 
+def _read_tasks(segments: list[Segment], numbers: list[int], threads: int) -> list[tuple[str, list[int]]]:
+    """The segments ``numbers`` as (file, segments) tasks in file order: each file's cut
+    into stretches of about a thread's share of the bytes."""
+    share = max(1, -(-sum(segments[n].nbytes for n in numbers) // max(1, threads)))
+    tasks: list[tuple[str, list[int]]] = []
+    held = 0
+    for n in sorted(numbers, key=lambda n: (segments[n].path, segments[n].start)):
+        if not tasks or tasks[-1][0] != segments[n].path or held >= share:
+            tasks.append((segments[n].path, []))
+            held = 0
+        tasks[-1][1].append(n)
+        held += segments[n].nbytes
+    return tasks
+
+
 @dataclass(frozen=True)
 class _Piece:
     """One byte range of one request: file bytes [offset, offset + length)."""
@@ -202,18 +217,29 @@ class TwoStageExchange:
         return bytes_read, files
 
     def _read(self, segments: list[Segment], batch: list[int]) -> tuple[dict[int, torch.Tensor], int, str | None]:
-        """Read this rank's segments of the batch; errors are reported, not raised."""
+        """Read this rank's segments of the batch; errors are reported, not raised. One
+        buffer for them all, and each file opened once per thread, its segments read in
+        one call: a column-sharded load has a segment per row (65,536 of 8 KiB for 512 MB),
+        and a buffer and an open per segment took 10x the plain reader's time."""
         mine = [n for n in batch if segments[n].reader == self.rank]
-        buffers = {n: torch.empty(segments[n].nbytes, dtype=torch.uint8) for n in mine}
+        block = torch.empty(sum(segments[n].nbytes for n in mine), dtype=torch.uint8)
+        buffers, position = {}, 0
+        for n in mine:
+            buffers[n] = block[position : position + segments[n].nbytes]
+            position += segments[n].nbytes
+        data = memoryview(block.numpy())
+        at = {n: int(buffers[n].storage_offset()) for n in mine}
 
-        def read(n: int) -> int:
-            segment = segments[n]
-            with self.location.open_reader(segment.path) as reader:
-                return reader.read_into(segment.start, [memoryview(buffers[n].numpy())])
+        def read(task: tuple[str, list[int]]) -> int:
+            path, numbers = task
+            with self.location.open_reader(path) as reader:
+                runs = [(segments[n].start, [data[at[n] : at[n] + segments[n].nbytes]]) for n in numbers]
+                return reader.read_runs(runs)
 
+        tasks = _read_tasks(segments, mine, self.thread_count)
         try:
-            with ThreadPoolExecutor(max(1, min(self.thread_count, len(mine)))) as pool:
-                return buffers, sum(pool.map(read, mine)), None
+            with ThreadPoolExecutor(max(1, min(self.thread_count, len(tasks)))) as pool:
+                return buffers, sum(pool.map(read, tasks)), None
         except Exception as exc:  # shared with every rank below, then raised everywhere
             return buffers, 0, _describe(exc)
 

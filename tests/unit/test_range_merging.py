@@ -148,3 +148,14 @@ def test_a_task_is_read_in_batches_of_bounded_scratch_memory():
     batches = [[r.scratch_bytes for r in batch] for batch in scratch_batches(task, 64)]
     assert batches == [[40, 0], [30], [100, 0, 0], [10], [60]]
     assert [len(b) for b in scratch_batches([sized(0)] * 5, 64)] == [5]
+
+
+def test_a_ranks_segments_are_read_file_by_file_in_thread_shares():
+    """Each file opened once per task (not per segment: a column-sharded load has one per
+    row), its segments in file order, a file cut where a thread's share is reached."""
+    from dcp_ext.exchange.two_stage import _read_tasks
+
+    segments = [Segment("b", 0, 10), Segment("a", 20, 30), Segment("a", 0, 10), Segment("a", 40, 50), Segment("b", 20, 30)]
+    assert _read_tasks(segments, [0, 1, 2, 3, 4], 1) == [("a", [2, 1, 3]), ("b", [0, 4])]
+    assert _read_tasks(segments, [0, 1, 2, 3, 4], 3) == [("a", [2, 1]), ("a", [3]), ("b", [0, 4])]
+    assert _read_tasks(segments, [], 4) == []
