@@ -28,7 +28,7 @@ from dcp_ext.megatron.base import Box, IncompleteSaveError, MegatronOptions, ten
 from dcp_ext.megatron.flat_range import flat_index, flat_range_boxes
 from dcp_ext.megatron.tp_replica import merge_tp_replica_keys
 from dcp_ext.runtime.lru import Lru
-from dcp_ext.storage.catalog import METADATA_NAME
+from dcp_ext.storage.catalog import CACHED_ROWS, METADATA_NAME
 from dcp_ext.storage.location import Location
 
 if TYPE_CHECKING:
@@ -40,7 +40,8 @@ COMMON_STATE_PREFIX = "common_state/shard_"
 REFORMULATED = "nd_reformulated_orig_global_shape"
 _PROBE_THREADS = 8
 
-_VIEWS: Lru[tuple[Catalog, Catalog]] = Lru(16)  # id(raw catalog) -> (raw, view); raw kept alive
+# id(raw catalog) -> (raw, view); raw kept alive, so bounded like the metadata cache
+_VIEWS: Lru[tuple[Catalog, Catalog]] = Lru(16, lambda entry: entry[0].rows() + entry[1].rows(), CACHED_ROWS)
 
 
 def is_megatron_catalog(location: Location, catalog: Catalog) -> bool:

@@ -21,9 +21,14 @@ _ALL: weakref.WeakSet[Lru] = weakref.WeakSet()
 
 
 class Lru(Generic[V]):
-    def __init__(self, capacity: int):
+    """At most ``capacity`` entries and, with ``weigh``, entries weighing ``max_weight`` in
+    all (the newest entry stays even when it weighs more on its own)."""
+
+    def __init__(self, capacity: int, weigh: Callable[[V], int] | None = None, max_weight: int = 0):
         self.capacity = capacity
+        self.weigh, self.max_weight = weigh, max_weight
         self._entries: OrderedDict[Hashable, V] = OrderedDict()
+        self._weights: dict[Hashable, int] = {}
         self._lock = threading.Lock()
         _ALL.add(self)
 
@@ -43,17 +48,23 @@ class Lru(Generic[V]):
         return value
 
     def put(self, key: Hashable, value: V) -> None:
+        weight = self.weigh(value) if self.weigh is not None else 0
         with self._lock:
             self._entries[key] = value
             self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            self._weights[key] = weight
+            while len(self._entries) > self.capacity or (
+                self.weigh is not None and len(self._entries) > 1 and sum(self._weights.values()) > self.max_weight
+            ):
+                oldest, _ = self._entries.popitem(last=False)
+                del self._weights[oldest]
 
     def discard(self, key: Hashable, value: V | None = None) -> None:
         """Drop ``key`` (only while it still holds ``value``, when given)."""
         with self._lock:
             if key in self._entries and (value is None or self._entries[key] is value):
                 del self._entries[key]
+                del self._weights[key]
 
     def values(self) -> list[V]:
         """The entries, least recently used first (unchecked: for callers whose key is the check)."""
@@ -63,6 +74,7 @@ class Lru(Generic[V]):
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._weights.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

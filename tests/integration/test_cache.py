@@ -300,3 +300,21 @@ def test_a_metadata_without_its_committed_stamp_is_read_through_its_crc(tmp_path
         f.write(bytes([last[0] ^ 1]))
     with pytest.raises(CheckpointError, match=r"\.metadata"):
         ShardReader(tmp_path, cache_metadata=False).read_metadata()
+
+
+def test_cache_is_bounded_by_keys_and_chunks_too(tmp_path):
+    """16 entries of a 20,000-key checkpoint held 570 MB after their loads: the cache
+    also bounds the keys and chunks it holds in all, keeping at least the newest entry."""
+    from dcp_ext.storage.catalog import MetadataCache
+    from dcp_ext.storage.location import Location
+
+    cache = MetadataCache(max_entries=16, max_rows=50)
+    for name in ("a", "b", "c"):
+        save({f"k{i}": torch.full((2,), float(i)) for i in range(12)}, tmp_path / name)  # 24 rows each
+        cache.open(Location(tmp_path / name))
+    assert [c.url.rsplit("/", 1)[-1] for c in cache._catalogs.values()] == ["b", "c"]
+    cache.open(Location(tmp_path / "a"))  # read again
+    assert [c.url.rsplit("/", 1)[-1] for c in cache._catalogs.values()] == ["c", "a"]
+    lone = MetadataCache(max_entries=16, max_rows=10)
+    lone.open(Location(tmp_path / "a"))
+    assert len(lone._catalogs) == 1  # the newest stays, heavier than the bound on its own
