@@ -528,16 +528,15 @@ def test_direct_async_saves_run_in_call_order_on_every_rank(tmp_path):
 
 class ThreadPerSaveStager(AsyncStager):
     """Stages each save on a thread of its own; with ``hold_first`` the first save's staging
-    waits until the second save has been staged, and 0.5 s more, so that the second save's
-    upload thread reaches the storage writer first (DCP's upload thread waits for the
-    staging future). A fixed delay was not enough on a loaded machine: the first
-    ``dcp.async_save`` call itself can take longer."""
+    waits until the second save's upload thread has taken its turn at the storage writer
+    (``ArrivalWriter.second_arrived``), so the ranks' arrival orders differ for certain. A
+    delay (0.5 s after the second staging) was not enough on a loaded machine."""
 
     _synchronize_after_execute = False
 
-    def __init__(self, hold_first: bool):
+    def __init__(self, hold_first: bool, second_arrived: threading.Event):
         self.calls = 0
-        self.second_staged = threading.Event()
+        self.second_arrived = second_arrived
         self.hold_first = hold_first
 
     def stage(self, state_dict):
@@ -546,22 +545,32 @@ class ThreadPerSaveStager(AsyncStager):
 
         def copy() -> None:
             if first and self.hold_first:
-                assert self.second_staged.wait(timeout=60)
-                time.sleep(0.5)
+                assert self.second_arrived.wait(timeout=60)
             staged.set_result(BlockingAsyncStager().stage(state_dict))
-            if not first:
-                self.second_staged.set()
 
         threading.Thread(target=copy).start()
         return staged
 
 
+class ArrivalWriter(ShardWriter):
+    """Sets ``second_arrived`` once a save into ``step1`` holds its turn (``reset`` waits for it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.second_arrived = threading.Event()
+
+    def reset(self, checkpoint_id=None):
+        super().reset(checkpoint_id)
+        if checkpoint_id is not None and os.path.basename(os.fspath(checkpoint_id)) == "step1":
+            self.second_arrived.set()
+
+
 def mismatched_pairing_job(rank: int, world: int, base: str) -> list[str | None]:
     """Two direct saves with another stager, not awaited, a directory each; rank 1's first is
-    staged after its second, so its second save reaches the writer first. Then a third, awaited."""
-    writer = ShardWriter(base)
+    staged after its second reached the writer. Then a third, awaited."""
+    writer = ArrivalWriter(base)
     group = dist.new_group(backend="gloo")
-    stager = ThreadPerSaveStager(hold_first=rank == 1)
+    stager = ThreadPerSaveStager(hold_first=rank == 1, second_arrived=writer.second_arrived)
     uploads = []
     for step in range(3):
         if step == 2:
