@@ -522,10 +522,10 @@ class ShardReader(StorageReader):
         planner with the commits, on the calling thread."""
         fqn = read_item.storage_index.fqn
         limit = record_limit(self._require_catalog().chunk_nbytes(read_item.storage_index)) if stored.transforms else 0
-        if read_item.type == LoadItemType.BYTE_IO:
-            landed: list[bytes | bytearray] = []
+        if read_item.type == LoadItemType.BYTE_IO:  # checked whatever verify_checksums says: read whole anyway,
+            landed: list[bytes | bytearray] = []  # and a record of another key decodes to a value of another type
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(landed[0])))
-            return whole_record_request(stored, fqn, where, self.verify_checksums, landed.append, limit)
+            return whole_record_request(stored, fqn, where, True, landed.append, limit)
         dest = self._destination(read_item, planner, where)
         box = (tuple(read_item.storage_offsets), tuple(read_item.lengths))
         commits.append(lambda: planner.commit_tensor(read_item, dest))

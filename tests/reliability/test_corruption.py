@@ -227,3 +227,32 @@ def test_data_file_replaced_by_a_directory_is_a_checkpoint_error(tmp_path):
     data_file.mkdir()
     error = load_error(state, tmp_path)
     assert isinstance(error, CheckpointError) and data_file.name in str(error)
+
+
+def _overwrite_record_byte(path, key: str, at: int, value: int) -> str:
+    reader = ShardReader(path, cache_metadata=False)
+    reader.read_metadata()
+    item = reader.catalog.item(next(i for i in reader.catalog.items if i.fqn == key))
+    with open(os.path.join(path, item.relative_path), "r+b") as f:
+        f.seek(item.offset + at)
+        f.write(bytes([value]))
+    return item.relative_path
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_a_damaged_non_tensor_item_is_a_checkpoint_error_naming_it(tmp_path, writer):
+    """A bytes item is read and decoded whole: ours is checked against its CRC32C on every
+    load (a record of another key decoded to another key's value, of another type), a
+    stock one (no checksum) that torch.load trips over gave bare KeyError / IndexError /
+    struct.error naming nothing."""
+    state = {"w": torch.arange(6.0), "name": "a string item long enough to hold the changed byte " * 3}
+    if writer == "stock":
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    else:
+        save(state, tmp_path)
+    name = _overwrite_record_byte(tmp_path, "name", 67, 0)  # in the record's pickle: a memo key torch.load misses
+    error = load_error({"w": torch.zeros(6), "name": ""}, tmp_path)
+    assert isinstance(error, CheckpointError), repr(error)
+    assert name in str(error) and "'name'" in str(error), error
+    if writer == "ours":
+        assert isinstance(error, ChecksumMismatchError), repr(error)
