@@ -513,6 +513,14 @@ def _entry_bytes(probe: _ProbedRecord, entry: zipfile.ZipInfo, crcs: bool) -> by
     return data
 
 
+def check_holds(layout: TensorLayout, dtype: torch.dtype, sizes: tuple[int, ...], where: str) -> None:
+    """The record's tensor is the chunk the metadata says it is (dtype and shape)."""
+    if layout.dtype != dtype or layout.shape != tuple(sizes):
+        raise CorruptCheckpointError(
+            f"{where}: record holds {layout.dtype} {list(layout.shape)} but metadata says {dtype} {list(sizes)}"
+        )
+
+
 def check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -> None:
     if any(s < 0 for s in layout.shape) or any(s < 0 for s in layout.stride) or layout.storage_offset < 0:
         raise CorruptCheckpointError(f"{where}: negative shape, stride or offset in tensor record")

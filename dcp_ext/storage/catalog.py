@@ -30,7 +30,7 @@ from dcp_ext.formats.data_files import rank_prefix
 from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
-from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, contiguous_strides, numel
+from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, contiguous_strides, numel
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
 from dcp_ext.runtime.lru import Lru, clear_caches
 from dcp_ext.storage.location import Location, RangeReader
@@ -192,11 +192,7 @@ class Catalog:
         except OSError as exc:
             raise CheckpointError(f"{where}: cannot read the record ({exc})") from exc
         md, chunk = self.chunk(index)
-        if layout.dtype != md.properties.dtype or layout.shape != tuple(chunk.sizes):
-            raise CorruptCheckpointError(
-                f"{where}: record holds {layout.dtype} {list(layout.shape)} but metadata says "
-                f"{md.properties.dtype} {list(chunk.sizes)}"
-            )
+        check_holds(layout, md.properties.dtype, tuple(chunk.sizes), where)
         with self._lock:
             self._layouts[index] = layout
         return layout

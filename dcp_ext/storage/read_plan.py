@@ -31,7 +31,7 @@ from dcp_ext.errors import (
     InvalidRequestError,
 )
 from dcp_ext.formats.index import StoredItem
-from dcp_ext.formats.torch_record import TensorLayout, check_within_storage, numel, parse_tensor_record
+from dcp_ext.formats.torch_record import TensorLayout, check_holds, check_within_storage, numel, parse_tensor_record
 from dcp_ext.formats.transforms import decode
 from dcp_ext.storage.device_staging import DeviceSpan, Target
 
@@ -156,13 +156,21 @@ def whole_record_request(
 
 
 def copy_record_box(
-    record: bytes | bytearray, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: torch.Tensor, where: str, verify: bool
+    record: bytes | bytearray,
+    chunk: tuple[torch.dtype, tuple[int, ...]],
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    dest: torch.Tensor,
+    where: str,
+    verify: bool,
 ) -> None:
     """Copy a box of the tensor in a decoded ``torch.save`` record into ``dest``, straight
     out of the record's bytes (``torch.load`` would copy the whole tensor out first: a
     load of compressed records held each one twice).
 
-    ``verify`` checks the CRC-32 of every zip entry of the record (what stock records carry).
+    ``chunk``: the (dtype, shape) the metadata gives the stored chunk, which the record must
+    hold (a record of another key would be cast or copied in part). ``verify`` checks the
+    CRC-32 of every zip entry of the record (what stock records carry).
     """
     if verify:
         try:
@@ -173,9 +181,10 @@ def copy_record_box(
             raise ChecksumMismatchError(f"{where}: crc32 mismatch in record entry {bad!r}; the stored bytes are corrupt")
     data = memoryview(record)
     layout = parse_tensor_record(len(data), lambda at, n: bytes(data[at : at + n]), f"{where}: decoded record")
+    check_holds(layout, *chunk, where)
     end = layout.payload_offset + layout.payload_nbytes
-    if len(layout.shape) != len(offsets) or end > len(data) or layout.payload_nbytes % layout.dtype.itemsize:
-        raise CorruptCheckpointError(f"{where}: decoded record holds no {len(offsets)}-d tensor within its bytes")
+    if end > len(data) or layout.payload_nbytes % layout.dtype.itemsize:
+        raise CorruptCheckpointError(f"{where}: decoded record holds no tensor within its bytes")
     count = layout.payload_nbytes // layout.dtype.itemsize
     check_within_storage(layout, count, where)
     with warnings.catch_warnings():  # a decoded record is read-only bytes, and only read here

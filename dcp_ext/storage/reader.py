@@ -527,9 +527,11 @@ class ShardReader(StorageReader):
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(landed[0])))
             return whole_record_request(stored, fqn, where, True, landed.append, limit)
         dest = self._destination(read_item, planner, where)
+        md, chunk = self._require_catalog().chunk(read_item.storage_index)
+        stored_as = (md.properties.dtype, tuple(chunk.sizes))
         box = (tuple(read_item.storage_offsets), tuple(read_item.lengths))
         commits.append(lambda: planner.commit_tensor(read_item, dest))
-        copy_box = lambda record: copy_record_box(record, *box, dest, where, self.verify_checksums)  # noqa: E731
+        copy_box = lambda record: copy_record_box(record, stored_as, *box, dest, where, self.verify_checksums)  # noqa: E731
         return whole_record_request(stored, fqn, where, self.verify_checksums, copy_box, limit)
 
     def _destination(self, read_item: ReadItem, planner: LoadPlanner, where: str) -> torch.Tensor:

@@ -139,3 +139,25 @@ def test_a_compressed_load_holds_the_records_in_flight_only(tmp_path):
         tracemalloc.stop()
     assert_state_dict_equal(out, state)
     assert peak < 12 << 20, f"peak {peak >> 20} MiB of Python buffers for 2 MiB records"
+
+
+@pytest.mark.parametrize("shape", ["same", "other"])
+def test_a_compressed_record_of_another_chunk_is_refused(tmp_path, shape):
+    """``.metadata`` pointing a key at another key's compressed record: the decoded record
+    was copied without checking it holds the chunk (a dtype cast, or a bare size error),
+    where an uncompressed one is refused. Stock casts silently."""
+    import pickle
+
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"f": torch.linspace(0.5, 4, 8), "i": torch.arange(100, 108) if shape == "same" else torch.arange(6)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[ZStandard()]), no_dist=True)
+    path = tmp_path / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    index = {i.fqn: i for i in metadata.storage_data}
+    metadata.storage_data[index["f"]], metadata.storage_data[index["i"]] = (
+        metadata.storage_data[index["i"]], metadata.storage_data[index["f"]])
+    path.write_bytes(pickle.dumps(metadata))
+    error = load_error({k: garbage_like(v) for k, v in state.items()}, tmp_path)
+    assert isinstance(error, CorruptCheckpointError), repr(error)
+    assert "record holds" in str(error) and "but metadata says" in str(error), error
