@@ -138,9 +138,13 @@ def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
 
 
 def _check_layout(entries: dict[str, TensorEntry], base: int, file_size: int, where: str) -> None:
-    """Every tensor inside the file, none overlapping another."""
+    """Every tensor inside the file, none overlapping another, and together they cover the
+    data section exactly, back to back, as safetensors requires (its loader refuses a gap or
+    an uncovered end): a header length one byte short parsed still (trailing spaces) and
+    loaded every tensor shifted by a byte."""
+    ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
     previous: TensorEntry | None = None
-    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+    for entry in ordered:
         if entry.end > file_size:
             raise CorruptCheckpointError(
                 f"{where} key {entry.name!r}: bytes [{entry.begin - base}, {entry.end - base}) lie past the end of "
@@ -149,3 +153,13 @@ def _check_layout(entries: dict[str, TensorEntry], base: int, file_size: int, wh
         if previous is not None and entry.begin < previous.end and entry.nbytes and previous.nbytes:
             raise CorruptCheckpointError(f"{where}: tensors {previous.name!r} and {entry.name!r} overlap")
         previous = entry if entry.nbytes else previous
+    end = base
+    for entry in ordered + [None]:
+        begin = file_size if entry is None else entry.begin
+        if begin != end:
+            before = "at the end" if entry is None else f"before {entry.name!r}"
+            raise CorruptCheckpointError(
+                f"{where}: data bytes [{end - base}, {begin - base}) belong to no tensor ({before}); safetensors "
+                "files hold their tensors back to back"
+            )
+        end = begin if entry is None else entry.end

@@ -206,6 +206,11 @@ def corrupt(kind: str, path) -> None:
     elif kind == "dtype not a string":
         header["mask"]["dtype"] = ["BOOL"]
         rewrite(path, header, data)
+    elif kind == "header length one short":  # the JSON still parses (padded with a space): every tensor a byte off
+        text = json.dumps(header).encode() + b" "
+        path.write_bytes(struct.pack("<Q", len(text) - 1) + text + data)
+    elif kind == "bytes after the last tensor":
+        rewrite(path, header, data + b"junk")
     elif kind == "deeply nested header":
         text = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         path.write_bytes(struct.pack("<Q", len(text)) + text + data)
@@ -215,6 +220,8 @@ def corrupt(kind: str, path) -> None:
     ("truncated", r"key '[\w.]+': bytes .* past the end of the data \(\d+ bytes; truncated\?\)"),
     ("offsets outside the file", r"'mask'.*past the end of the data"),
     ("overlapping tensors", r"tensors '\w[\w.]*' and '\w[\w.]*' overlap"),
+    ("header length one short", r"data bytes \[\d+, \d+\) belong to no tensor \(at the end\)"),
+    ("bytes after the last tensor", r"data bytes \[\d+, \d+\) belong to no tensor \(at the end\)"),
     ("header over 100 MB", r"header claims 100000001 bytes"),
     ("size disagrees with shape", r"key 'mask': data_offsets .* hold 9 bytes, but BOOL \[10\] needs 10"),
     ("dtype not a string", r"key 'mask': unknown dtype \['BOOL'\]"),
