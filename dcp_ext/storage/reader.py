@@ -230,8 +230,14 @@ class ShardReader(StorageReader):
             )
         self._check_committed(self.catalog)
         metadata = self.catalog.metadata
-        storage_meta = dataclasses.replace(metadata.storage_meta or StorageMeta(), load_id=self.load_id)
-        return dataclasses.replace(metadata, storage_meta=storage_meta)
+        return dataclasses.replace(metadata, storage_meta=self._storage_meta(metadata.storage_meta))
+
+    def _storage_meta(self, saved: Any) -> StorageMeta:
+        """The checkpoint's ``StorageMeta`` with this load's id, rebuilt from the fields it has:
+        a ``.metadata`` whose pickle lost one (stock never reads them) loads, as with stock."""
+        fields = dataclasses.fields(StorageMeta)
+        kept = {f.name: getattr(saved, f.name) for f in fields if isinstance(saved, StorageMeta) and hasattr(saved, f.name)}
+        return StorageMeta(**{**kept, "load_id": self.load_id})
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator

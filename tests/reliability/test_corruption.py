@@ -256,3 +256,17 @@ def test_a_damaged_non_tensor_item_is_a_checkpoint_error_naming_it(tmp_path, wri
     assert name in str(error) and "'name'" in str(error), error
     if writer == "ours":
         assert isinstance(error, ChecksumMismatchError), repr(error)
+
+
+def test_a_storage_meta_that_lost_a_field_still_loads(tmp_path):
+    """A ``.metadata`` whose StorageMeta pickles a renamed field (one damaged byte): stock
+    never reads the fields and loads it; ours rebuilt it with ``dataclasses.replace`` and
+    raised a bare AttributeError."""
+    state = {"w": torch.arange(8.0), "n": 7}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    path = tmp_path / ".metadata"
+    raw = path.read_bytes()
+    assert raw.count(b"modules") == 1
+    path.write_bytes(raw.replace(b"modules", b"modulas"))
+    got, _ = load({"w": torch.full((8,), float("nan")), "n": 0}, tmp_path)
+    assert_state_dict_equal(got, state)
