@@ -142,6 +142,10 @@ class Location(ABC):
             raise CheckpointError(f"{self.url}: {name} is not a regular file (a FIFO, socket or device), expected a file") from None
         except PermissionError as exc:  # an object store answering 403 (credentials) too
             raise CheckpointError(f"{self.url}: cannot read {name} ({exc.strerror or exc})") from None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise CheckpointError(f"{self.url}: {name} is a symbolic link that loops, expected a file") from None
 
     @contextlib.contextmanager
     def _directory_errors(self) -> Iterator[None]:

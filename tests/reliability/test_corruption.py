@@ -270,3 +270,19 @@ def test_a_storage_meta_that_lost_a_field_still_loads(tmp_path):
     path.write_bytes(raw.replace(b"modules", b"modulas"))
     got, _ = load({"w": torch.full((8,), float("nan")), "n": 0}, tmp_path)
     assert_state_dict_equal(got, state)
+
+
+@pytest.mark.parametrize("name", [".metadata", ".dcp_ext_index.parquet"])
+def test_a_symlink_loop_in_place_of_a_metadata_file_is_named(tmp_path, name, capsys):
+    """ELOOP passed as a bare OSError; dcp-ext verify answered 'error:' (rc 2) where a
+    damaged checkpoint gets a FAULT line (rc 1)."""
+    from dcp_ext.cli.main import main as cli
+
+    state = {"w": torch.arange(3.0)}
+    save(state, tmp_path)
+    (tmp_path / name).unlink()
+    (tmp_path / name).symlink_to(name)
+    error = load_error(state, tmp_path)  # DCP wraps a metadata failure in an AssertionError with its message
+    assert f"{tmp_path}: {name} is a symbolic link that loops, expected a file" in str(error), repr(error)
+    assert cli(["verify", str(tmp_path)]) == 1
+    assert f"FAULT {tmp_path}: {name} is a symbolic link that loops" in capsys.readouterr().out
