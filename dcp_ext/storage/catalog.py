@@ -376,14 +376,42 @@ def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
         check_committed()
         indexed = decoded
     if indexed is not None and indexed.metadata is not None:  # decode_index checked its own rows
-        metadata, items = indexed.metadata, indexed.items
-        return Catalog(location.url, metadata, items, True, marked, inputs.signature, indexed.copies,
+        metadata, items, copies = indexed.metadata, indexed.items, indexed.copies
+        if not marked:  # nothing vouches for the index bytes: the pickle must agree, records give their layouts
+            _check_index_agrees(indexed, load_metadata_pickle(metadata_file.contents(location), source), f"{location.url}/{index_name}")
+            items, copies = {index: item._replace(payload_offset=-1) for index, item in items.items()}, {}
+        return Catalog(location.url, metadata, items, True, marked, inputs.signature, copies,
                        fingerprint=metadata_file.facts[1], index_name=index_name)
     metadata = load_metadata_pickle(metadata_file.contents(location), source)
     return _checked_catalog(
         location, metadata, source, inputs.signature, metadata_file.facts[1], indexed, marked or indexed is None,
         index_name if indexed is not None else None,
     )
+
+
+def _check_index_agrees(indexed: IndexedCheckpoint, pickled: Metadata, where: str) -> None:
+    """An index no commit marker vouches for (a crash between the renames of ``.metadata``
+    and of the marker, or a lost marker) has no checksum of its own: one flipped bit sent a
+    key's read to another record, or read a tensor as another dtype. Such an index must say
+    what the pickled ``.metadata`` says of every key (kind, dtype, shape) and of every stored
+    item (file, offset, length); where a tensor starts inside its record is then read from
+    the record (its layout parsed, as for a stock checkpoint), not taken from the index."""
+    state, ours = pickled.state_dict_metadata, indexed.metadata.state_dict_metadata if indexed.metadata else {}
+    for fqn, md in state.items():
+        mine = ours.get(fqn) if fqn in ours else None
+        same = type(mine) is type(md) and (
+            not isinstance(md, TensorStorageMetadata)
+            or (mine.properties.dtype == md.properties.dtype and tuple(mine.size) == tuple(md.size))
+        )
+        if not same:
+            raise CorruptCheckpointError(f"{where}: key {fqn!r} disagrees with {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from {METADATA_NAME} alone")
+    saved = items_from_storage_data(pickled, where)
+    for index, item in saved.items():
+        mine = indexed.items.get(index)
+        if mine is None or (mine.relative_path, mine.offset, mine.length) != (item.relative_path, item.offset, item.length):
+            raise CorruptCheckpointError(f"{where}: the location of key {index.fqn!r} disagrees with {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from {METADATA_NAME} alone")
+    if len(state) != len(ours) or len(saved) != len(indexed.items):
+        raise CorruptCheckpointError(f"{where}: holds other keys than {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from {METADATA_NAME} alone")
 
 
 def _decoded_index(location: Location, name: str, data: bytes | None) -> IndexedCheckpoint | CorruptCheckpointError | None:

@@ -647,3 +647,43 @@ def test_common_state_claiming_more_bytes_than_its_file_is_refused_before_alloca
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20
+
+
+def _without_marker_then(path, mutate) -> None:
+    """The index changed where no commit marker vouches for it (a crash between the renames
+    of .metadata and of the marker, or a lost marker): it has no checksum of its own."""
+    rewrite_index(path, mutate)
+    (path / MARKER_NAME).unlink()
+
+
+def test_an_unvouched_index_gives_no_payload_offset_of_its_own(tmp_path):
+    """One flipped bit in such an index's payload offset loaded a tensor shifted inside its
+    record, verified or not (the record's CRC covers the record, not where the tensor
+    starts): without a marker the layouts come from the records themselves."""
+    state = sample_state()
+    save(state, tmp_path)
+
+    def shift(rows, schema):
+        row = rows["fqn"].index("w")
+        rows["payload_offset"][row] += 64
+        return pa.table(rows, schema=schema)
+
+    _without_marker_then(tmp_path, shift)
+    for verify in (False, True):
+        got, _ = load(state, tmp_path, verify_checksums=verify, cache_metadata=False)
+        assert_state_dict_equal(got, state)
+
+
+@pytest.mark.parametrize("column, change", [("offset", 64), ("length", -4)])
+def test_an_unvouched_index_must_agree_with_the_metadata(tmp_path, column, change):
+    state = sample_state()
+    save(state, tmp_path)
+
+    def move(rows, schema):
+        row = rows["fqn"].index("w")
+        rows[column][row] += change
+        return pa.table(rows, schema=schema)
+
+    _without_marker_then(tmp_path, move)
+    with pytest.raises(CheckpointError, match=r"the location of key 'w' disagrees with \.metadata"):
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()
