@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -379,7 +379,7 @@ def catalog_from_inputs(location: Location, inputs: CatalogInputs) -> Catalog:
         metadata, items, copies = indexed.metadata, indexed.items, indexed.copies
         if not marked:  # nothing vouches for the index bytes: the pickle must agree, records give their layouts
             _check_index_agrees(indexed, load_metadata_pickle(metadata_file.contents(location), source), f"{location.url}/{index_name}")
-            items, copies = {index: item._replace(payload_offset=-1) for index, item in items.items()}, {}
+            items, copies = _PayloadsUnknown(items), {}  # TP-replica copies: in the index alone, unchecked
         return Catalog(location.url, metadata, items, True, marked, inputs.signature, copies,
                        fingerprint=metadata_file.facts[1], index_name=index_name)
     metadata = load_metadata_pickle(metadata_file.contents(location), source)
@@ -396,22 +396,46 @@ def _check_index_agrees(indexed: IndexedCheckpoint, pickled: Metadata, where: st
     what the pickled ``.metadata`` says of every key (kind, dtype, shape) and of every stored
     item (file, offset, length); where a tensor starts inside its record is then read from
     the record (its layout parsed, as for a stock checkpoint), not taken from the index."""
-    state, ours = pickled.state_dict_metadata, indexed.metadata.state_dict_metadata if indexed.metadata else {}
+    keys = indexed.metadata.state_dict_metadata if indexed.metadata is not None else {}
+    state = pickled.state_dict_metadata
     for fqn, md in state.items():
-        mine = ours.get(fqn) if fqn in ours else None
-        same = type(mine) is type(md) and (
-            not isinstance(md, TensorStorageMetadata)
-            or (mine.properties.dtype == md.properties.dtype and tuple(mine.size) == tuple(md.size))
-        )
-        if not same:
-            raise CorruptCheckpointError(f"{where}: key {fqn!r} disagrees with {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from {METADATA_NAME} alone")
+        facts = keys.facts(fqn) if isinstance(keys, IndexedKeys) and fqn in keys else False  # no per-key objects
+        tensor = isinstance(md, TensorStorageMetadata)
+        if facts is False or (facts is None) == tensor or (
+            tensor and (facts[0].dtype != md.properties.dtype or tuple(facts[1]) != tuple(md.size))
+        ):
+            raise CorruptCheckpointError(f"{where}: key {fqn!r} {_UNVOUCHED}")
     saved = items_from_storage_data(pickled, where)
     for index, item in saved.items():
         mine = indexed.items.get(index)
         if mine is None or (mine.relative_path, mine.offset, mine.length) != (item.relative_path, item.offset, item.length):
-            raise CorruptCheckpointError(f"{where}: the location of key {index.fqn!r} disagrees with {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from {METADATA_NAME} alone")
-    if len(state) != len(ours) or len(saved) != len(indexed.items):
-        raise CorruptCheckpointError(f"{where}: holds other keys than {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from {METADATA_NAME} alone")
+            raise CorruptCheckpointError(f"{where}: the location of key {index.fqn!r} {_UNVOUCHED}")
+    if len(state) != len(keys) or len(saved) != len(indexed.items):
+        raise CorruptCheckpointError(f"{where}: holds other keys than {METADATA_NAME}, and {_UNVOUCHED.partition(', and ')[2]}")
+
+
+_UNVOUCHED = (
+    f"disagrees with {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from "
+    f"{METADATA_NAME} alone"
+)
+
+
+class _PayloadsUnknown(Mapping[MetadataIndex, StoredItem]):
+    """Stored items with their payload offsets dropped, so that layouts are parsed from the
+    records (a view: an index's items are built on demand, a copy of them all cost 0.36 s
+    at 20,000 keys)."""
+
+    def __init__(self, items: Mapping[MetadataIndex, StoredItem]):
+        self._items = items
+
+    def __getitem__(self, index: MetadataIndex) -> StoredItem:
+        return self._items[index]._replace(payload_offset=-1)
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _decoded_index(location: Location, name: str, data: bytes | None) -> IndexedCheckpoint | CorruptCheckpointError | None:
