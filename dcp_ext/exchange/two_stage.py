@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.observe import PhaseClock
-from dcp_ext.storage.executors import LoadIdentity, ReadSettings, register_executor
+from dcp_ext.storage.executors import LoadIdentity, ReadSettings, file_tasks, register_executor, task_limit
 from dcp_ext.storage.read_plan import Request
 
 SEGMENT_BYTES = 32 << 20  # largest unit one rank reads and sends
@@ -111,21 +111,6 @@ def _batches(segments: list[Segment], budget: int) -> list[list[int]]:
         batches[-1].append(n)
         size += segment.nbytes
     return [b for b in batches if b]
-
-
-def _read_tasks(segments: list[Segment], numbers: list[int], threads: int) -> list[tuple[str, list[int]]]:
-    """The segments ``numbers`` as (file, segments) tasks in file order: each file's cut
-    into stretches of about a thread's share of the bytes."""
-    share = max(1, -(-sum(segments[n].nbytes for n in numbers) // max(1, threads)))
-    tasks: list[tuple[str, list[int]]] = []
-    held = 0
-    for n in sorted(numbers, key=lambda n: (segments[n].path, segments[n].start)):
-        if not tasks or tasks[-1][0] != segments[n].path or held >= share:
-            tasks.append((segments[n].path, []))
-            held = 0
-        tasks[-1][1].append(n)
-        held += segments[n].nbytes
-    return tasks
 
 
 @dataclass(frozen=True)
@@ -218,25 +203,24 @@ class TwoStageExchange:
 
     def _read(self, segments: list[Segment], batch: list[int]) -> tuple[dict[int, torch.Tensor], int, str | None]:
         """Read this rank's segments of the batch; errors are reported, not raised. One
-        buffer for them all, and each file opened once per thread, its segments read in
-        one call: a column-sharded load has a segment per row (65,536 of 8 KiB for 512 MB),
-        and a buffer and an open per segment took 10x the plain reader's time."""
-        mine = [n for n in batch if segments[n].reader == self.rank]
+        buffer for them all, and each file opened once per task (``file_tasks``, as the
+        plain reader cuts them), its segments read in one call: a column-sharded load has a
+        segment per row (65,536 of 8 KiB for 512 MB), and a buffer and an open per segment
+        took 10x the plain reader's time."""
+        mine = [n for n in batch if segments[n].reader == self.rank]  # in file order, as segments are
         block = torch.empty(sum(segments[n].nbytes for n in mine), dtype=torch.uint8)
-        buffers, position = {}, 0
-        for n in mine:
-            buffers[n] = block[position : position + segments[n].nbytes]
-            position += segments[n].nbytes
         data = memoryview(block.numpy())
-        at = {n: int(buffers[n].storage_offset()) for n in mine}
+        buffers, views, position = {}, {}, 0
+        for n in mine:
+            end = position + segments[n].nbytes
+            buffers[n], views[id(segments[n])] = block[position:end], data[position:end]
+            position = end
 
-        def read(task: tuple[str, list[int]]) -> int:
-            path, numbers = task
-            with self.location.open_reader(path) as reader:
-                runs = [(segments[n].start, [data[at[n] : at[n] + segments[n].nbytes]]) for n in numbers]
-                return reader.read_runs(runs)
+        def read(task: list[Segment]) -> int:
+            with self.location.open_reader(task[0].path) as reader:
+                return reader.read_runs([(segment.start, [views[id(segment)]]) for segment in task])
 
-        tasks = _read_tasks(segments, mine, self.thread_count)
+        tasks = list(file_tasks([segments[n] for n in mine], task_limit(position, self.thread_count)))
         try:
             with ThreadPoolExecutor(max(1, min(self.thread_count, len(tasks)))) as pool:
                 return buffers, sum(pool.map(read, tasks)), None

@@ -396,28 +396,38 @@ def _check_index_agrees(indexed: IndexedCheckpoint, pickled: Metadata, where: st
     what the pickled ``.metadata`` says of every key (kind, dtype, shape) and of every stored
     item (file, offset, length); where a tensor starts inside its record is then read from
     the record (its layout parsed, as for a stock checkpoint), not taken from the index."""
-    keys = indexed.metadata.state_dict_metadata if indexed.metadata is not None else {}
-    state = pickled.state_dict_metadata
+    disagreeing = _first_disagreement(indexed, pickled, where)
+    if disagreeing is not None:
+        raise CorruptCheckpointError(
+            f"{where}: {disagreeing} disagrees with {METADATA_NAME}, and no commit marker vouches for the index "
+            f"(corrupt); delete it to load from {METADATA_NAME} alone"
+        )
+
+
+def _first_disagreement(indexed: IndexedCheckpoint, pickled: Metadata, where: str) -> str | None:
+    keys = indexed.metadata.state_dict_metadata if indexed.metadata is not None else None
+    assert isinstance(keys, IndexedKeys)  # an index load's keys: their facts come from its columns, no per-key objects
+    state, saved = pickled.state_dict_metadata, items_from_storage_data(pickled, where)
     for fqn, md in state.items():
-        facts = keys.facts(fqn) if isinstance(keys, IndexedKeys) and fqn in keys else False  # no per-key objects
-        tensor = isinstance(md, TensorStorageMetadata)
-        if facts is False or (facts is None) == tensor or (
-            tensor and (facts[0].dtype != md.properties.dtype or tuple(facts[1]) != tuple(md.size))
-        ):
-            raise CorruptCheckpointError(f"{where}: key {fqn!r} {_UNVOUCHED}")
-    saved = items_from_storage_data(pickled, where)
+        if not _same_key(keys, fqn, md):
+            return f"key {fqn!r}"
     for index, item in saved.items():
         mine = indexed.items.get(index)
-        if mine is None or (mine.relative_path, mine.offset, mine.length) != (item.relative_path, item.offset, item.length):
-            raise CorruptCheckpointError(f"{where}: the location of key {index.fqn!r} {_UNVOUCHED}")
+        if mine is None or mine[:3] != item[:3]:  # (file, offset, length)
+            return f"the location of key {index.fqn!r}"
     if len(state) != len(keys) or len(saved) != len(indexed.items):
-        raise CorruptCheckpointError(f"{where}: holds other keys than {METADATA_NAME}, and {_UNVOUCHED.partition(', and ')[2]}")
+        return "its list of keys"
+    return None
 
 
-_UNVOUCHED = (
-    f"disagrees with {METADATA_NAME}, and no commit marker vouches for the index (corrupt); delete it to load from "
-    f"{METADATA_NAME} alone"
-)
+def _same_key(keys: IndexedKeys, fqn: str, md: Any) -> bool:
+    """Whether the index holds ``fqn`` as ``md`` says: a bytes key, or a tensor of its dtype and shape."""
+    if fqn not in keys:
+        return False
+    facts = keys.facts(fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return facts is None
+    return facts is not None and facts[0].dtype == md.properties.dtype and tuple(facts[1]) == tuple(md.size)
 
 
 class _PayloadsUnknown(Mapping[MetadataIndex, StoredItem]):

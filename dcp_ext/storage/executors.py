@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.storage.device_staging import STAGING_BUFFER_BYTES, STAGING_BUFFERS, DeviceStaging
@@ -165,14 +165,30 @@ def task_limit(total_bytes: int, threads: int) -> int:
     return max(TASK_BYTES, -(-total_bytes // threads))
 
 
-def file_tasks(requests: Iterable[Request], limit: int) -> Iterator[list[Request]]:
+class FileSpan(Protocol):
+    """What a task is cut from: bytes of one file (a ``Request``, a two-stage segment)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+S = TypeVar("S", bound=FileSpan)
+
+
+def file_tasks(requests: Iterable[S], limit: int) -> Iterator[list[S]]:
     """Tasks of one file's requests in offset order, ``limit`` bytes or a little more each.
 
     Requests come file by file (as the reader plans them); a file's tasks are made once
     the stream moves past it. A file whose requests come apart is read in separate tasks.
     """
     for _, batch in groupby(requests, key=attrgetter("path")):
-        task: list[Request] = []
+        task: list[S] = []
         task_bytes = 0
         for request in sorted(batch, key=attrgetter("start")):
             if task and task_bytes >= limit:

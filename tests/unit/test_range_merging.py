@@ -151,11 +151,11 @@ def test_a_task_is_read_in_batches_of_bounded_scratch_memory():
 
 
 def test_a_ranks_segments_are_read_file_by_file_in_thread_shares():
-    """Each file opened once per task (not per segment: a column-sharded load has one per
-    row), its segments in file order, a file cut where a thread's share is reached."""
-    from dcp_ext.exchange.two_stage import _read_tasks
-
-    segments = [Segment("b", 0, 10), Segment("a", 20, 30), Segment("a", 0, 10), Segment("a", 40, 50), Segment("b", 20, 30)]
-    assert _read_tasks(segments, [0, 1, 2, 3, 4], 1) == [("a", [2, 1, 3]), ("b", [0, 4])]
-    assert _read_tasks(segments, [0, 1, 2, 3, 4], 3) == [("a", [2, 1]), ("a", [3]), ("b", [0, 4])]
-    assert _read_tasks(segments, [], 4) == []
+    """Two-stage reads cut a rank's segments (in file order) into tasks as the plain reader
+    cuts requests: each file opened once per task (not per segment: a column-sharded load
+    has one per row), its segments in file order, a file cut where a thread's share is reached."""
+    segments = [Segment("a", 0, 10), Segment("a", 20, 30), Segment("a", 40, 50), Segment("b", 0, 10), Segment("b", 20, 30)]
+    starts = lambda tasks: [(task[0].path, [s.start for s in task]) for task in tasks]  # noqa: E731
+    assert starts(file_tasks(segments, 100)) == [("a", [0, 20, 40]), ("b", [0, 20])]
+    assert starts(file_tasks(segments, 20)) == [("a", [0, 20]), ("a", [40]), ("b", [0, 20])]
+    assert list(file_tasks([], 20)) == []
