@@ -40,29 +40,45 @@ class DeviceSpan:
     """Bytes of a 1-d ``uint8`` tensor (on a device, or a CPU tensor forced through staging)
     that reads land in, where host requests use a memoryview.
 
+    A span is a byte range of its tensor kept as numbers: slicing one calls no torch
+    operation, and the staging narrows the tensor once per copy. Every torch call from the
+    reading threads releases and retakes the GIL, and those handovers, not the bytes, are
+    what a load of thousands of tensors spends its time on.
+
     ``tap`` sees the host copy of the span's bytes piece by piece, in file order, before
     they leave for the device (a running checksum). Executors that assign bytes instead of
     staging them (the two-stage exchange) copy through ``__setitem__``.
     """
 
-    __slots__ = ("tensor", "tap")
+    __slots__ = ("base", "start", "nbytes", "tap")
 
-    def __init__(self, tensor: torch.Tensor, tap: Callable[[memoryview], None] | None = None):
-        self.tensor = tensor
+    def __init__(
+        self, base: torch.Tensor, tap: Callable[[memoryview], None] | None = None, start: int = 0, nbytes: int | None = None
+    ):
+        self.base = base
+        self.start = start
+        self.nbytes = base.numel() - start if nbytes is None else nbytes
         self.tap = tap
 
     @property
-    def nbytes(self) -> int:
-        return self.tensor.numel()
+    def tensor(self) -> torch.Tensor:
+        return self.region(0, self.nbytes)
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The span's bytes ``[offset, offset + nbytes)`` as a tensor."""
+        return self.base.narrow(0, self.start + offset, nbytes)
 
     def __getitem__(self, part: slice) -> DeviceSpan:
-        return DeviceSpan(self.tensor[part])
+        first, stop, step = part.indices(self.nbytes)
+        if step != 1:
+            raise ValueError(f"a DeviceSpan is sliced with step 1, got {part}")
+        return DeviceSpan(self.base, None, self.start + first, max(0, stop - first))
 
     def __setitem__(self, part: slice, data: memoryview) -> None:
         if self.tap is not None:
             self.tap(data)
         if len(data):
-            self.tensor[part].copy_(torch.frombuffer(data, dtype=torch.uint8))
+            self[part].tensor.copy_(torch.frombuffer(data, dtype=torch.uint8))
 
 
 Target = Union[memoryview, DeviceSpan]
@@ -179,11 +195,17 @@ class DeviceStaging:
 
     Copies go to one side stream per CUDA device, which first waits for the work already
     queued on the caller's stream (the destinations may just have been filled there).
+
+    At most one reading thread per staging buffer works here at a time: a thread beyond
+    that could only wait for a buffer, and each torch call it made would hand the GIL over
+    once more. On an H200 host (16 cores, 4.3 GB in 3,445 tensors, warm page cache) 16
+    threads over the 4 buffers loaded 3.4-4.0 GB/s, 4 threads 5.1 GB/s.
     """
 
     def __init__(self, pool: StagingPool):
         self.pool = pool
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._turns = threading.BoundedSemaphore(pool.count)
 
     @classmethod
     def for_devices(cls, devices: set[torch.device], count: int, buffer_bytes: int) -> DeviceStaging:
@@ -206,8 +228,10 @@ class DeviceStaging:
     @contextmanager
     def device_work(self) -> Iterator[None]:
         """Device work queued by this thread inside (temporaries, copies, the requests'
-        gathers and casts) goes to the side streams, in the order it is queued."""
+        gathers and casts) goes to the side streams, in the order it is queued; the thread
+        waits for its turn first."""
         with ExitStack() as stack:
+            stack.enter_context(self._turns)
             for stream in self.streams.values():
                 stack.enter_context(torch.cuda.stream(stream))
             yield
@@ -277,23 +301,16 @@ class DeviceStaging:
 
 def _merged(pieces: list[_Piece]) -> Iterator[tuple[torch.Tensor, int, int]]:
     """(device bytes, buffer start, length) of the copies: pieces adjacent both in the
-    buffer and in device memory (runs of one contiguous destination) become one copy."""
+    buffer and in one span's tensor (runs of one contiguous destination) become one copy."""
     if not pieces:
         return
     first = pieces[0]
-    dest, start, nbytes = first.span.tensor[first.offset : first.offset + first.nbytes], first.start, first.nbytes
+    base, place, start, nbytes = first.span.base, first.span.start + first.offset, first.start, first.nbytes
     for piece in pieces[1:]:
-        part = piece.span.tensor[piece.offset : piece.offset + piece.nbytes]
-        if (
-            piece.start == start + nbytes
-            and part.device == dest.device
-            and part.untyped_storage().data_ptr() == dest.untyped_storage().data_ptr()
-            and part.storage_offset() == dest.storage_offset() + nbytes
-        ):
+        piece_place = piece.span.start + piece.offset
+        if piece.span.base is base and piece.start == start + nbytes and piece_place == place + nbytes:
             nbytes += piece.nbytes
-            dest = dest.as_strided((nbytes,), (1,), dest.storage_offset())
             continue
-        yield dest, start, nbytes
-        dest, start, nbytes = part, piece.start, piece.nbytes
-    yield dest, start, nbytes
-
+        yield base.narrow(0, place, nbytes), start, nbytes
+        base, place, start, nbytes = piece.span.base, piece_place, piece.start, piece.nbytes
+    yield base.narrow(0, place, nbytes), start, nbytes

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_ext import ShardReader, ShardWriter
 from dcp_ext.errors import CheckpointError, ChecksumMismatchError
-from dcp_ext.storage.device_staging import DeviceSpan, StagingPool
+from dcp_ext.storage.device_staging import DeviceSpan, DeviceStaging, StagingPool
 from dcp_ext.storage.executors import LoadIdentity, ReadSettings, ScatterReads
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request, tensor_requests
@@ -78,17 +80,18 @@ def test_a_request_larger_than_a_buffer_flows_through_it_in_pieces(tmp_path):
     _assert_pool_bounded(executor, 3)
 
 
-def test_many_requests_and_threads_share_a_small_pool(tmp_path):
+@pytest.mark.parametrize("buffers,threads", [(2, 4), (1, 8)])  # (1, 8): seven threads wait for their turn
+def test_many_requests_and_threads_share_a_small_pool(tmp_path, buffers, threads):
     g = torch.Generator().manual_seed(3)
     sources = [torch.randn(n, 33, generator=g) for n in range(1, 120)]
     dests = [garbage(tuple(s.shape)) for s in sources]
     requests = []
     for (item, layout), source, dest in zip(write_records(tmp_path, sources), sources, dests):
         requests += tensor_requests(item, layout, (0, 0), tuple(source.shape), dest, "k", "w", verify=True, staged=True)
-    executor = _run(tmp_path, requests, buffers=2, buffer_bytes=8192, threads=4)
+    executor = _run(tmp_path, requests, buffers=buffers, buffer_bytes=8192, threads=threads)
     for source, dest in zip(sources, dests):
         assert torch.equal(dest, source)
-    _assert_pool_bounded(executor, 2)
+    _assert_pool_bounded(executor, buffers)
 
 
 @pytest.mark.parametrize(
@@ -192,6 +195,45 @@ def test_pool_never_holds_more_than_its_count():
     span = DeviceSpan(torch.zeros(8, dtype=torch.uint8))
     span[2:4] = memoryview(bytearray(b"\x01\x02"))
     assert span.tensor.tolist() == [0, 0, 1, 2, 0, 0, 0, 0]
+
+
+def test_span_slices_are_byte_ranges_of_their_tensor():
+    """Slicing a span keeps numbers, not views: slices of slices land where the tensor's
+    slices would, clamp as they would, and refuse steps."""
+    base = torch.zeros(16, dtype=torch.uint8)
+    inner = DeviceSpan(base)[3:13][2:]
+    assert inner.nbytes == 8 and inner[6:100].nbytes == 2 and inner[9:].nbytes == 0
+    inner[1:3] = memoryview(bytearray(b"\x07\x08"))
+    assert base.tolist() == [0] * 6 + [7, 8] + [0] * 8
+    assert inner.tensor.data_ptr() == base[5:13].data_ptr()
+    with pytest.raises(ValueError, match="step 1"):
+        inner[::2]
+
+
+def test_one_thread_per_staging_buffer_works_at_a_time():
+    """Reading threads beyond the buffers wait outside (each torch call they made would hand
+    the GIL over): two buffers, six threads, never more than two inside at once."""
+    staging = DeviceStaging(StagingPool(count=2, buffer_bytes=16))
+    pair = threading.Barrier(2, timeout=30)  # two at a time do get in together
+    lock, inside, most = threading.Lock(), [0], [0]
+
+    def work() -> None:
+        with staging.device_work():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            pair.wait()
+            time.sleep(0.02)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert most[0] == 2 and not pair.broken
+
 
 
 @pytest.mark.mp
