@@ -112,6 +112,14 @@ class TensorLayout:
             raw = raw.conj()
         return torch._neg_view(raw) if self.neg else raw
 
+    def copy_values(self, dest: torch.Tensor, raw: torch.Tensor) -> None:
+        """``dest.copy_(self.values(raw))``; a copy that casts gets the neg bit resolved
+        first: torch's float16-to-float32 copy drops it (the values' signs with it)."""
+        values = self.values(raw)
+        if self.neg and dest.dtype != raw.dtype:
+            values = values.resolve_neg()
+        dest.copy_(values)
+
     def resolve_in_place(self, dest: torch.Tensor) -> None:
         """Apply the record's bits to stored bytes already read into ``dest``."""
         if self.conj:

@@ -186,6 +186,7 @@ class Location(ABC):
         full = self.path(name, key)
         with self._file_errors(name):
             reader = self._range_reader(full)
+        reader.key = key
         try:
             yield reader
         finally:
@@ -517,6 +518,9 @@ class FsspecLocation(Location):
 class RangeReader(ABC):
     """Reads byte ranges of one file into caller-provided buffers."""
 
+    path: str
+    key = ""  # the first key its reads serve, for errors (set by Location.open_reader)
+
     @abstractmethod
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         """Fill ``buffers`` back to back from ``offset``; returns the bytes read."""
@@ -527,6 +531,13 @@ class RangeReader(ABC):
 
     def close(self) -> None:
         """Release what the reader holds."""
+
+    def _ended_early(self, offset: int) -> CheckpointError:
+        """The file ended before a byte the load planned to read: it shrank since."""
+        reading = f", reading key {self.key!r} or one after it in the file" if self.key else ""
+        return CheckpointError(
+            f"{self.path}: unexpected end of file at byte {offset}{reading} (the file shrank after the load was planned)"
+        )
 
 
 class LocalRangeReader(RangeReader):
@@ -543,7 +554,7 @@ class LocalRangeReader(RangeReader):
             batch = pending[:IOV_MAX]
             n = os.preadv(self.fd, batch, offset)
             if n == 0:
-                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset}")
+                raise self._ended_early(offset)
             total += n
             offset += n
             pending = _take(pending, n)[1]
@@ -576,7 +587,7 @@ class FsspecRangeReader(RangeReader):
                 if isinstance(blob, BaseException):
                     raise blob
                 if len(blob) != nbytes:
-                    raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + len(blob)}")
+                    raise self._ended_early(offset + len(blob))
                 pos = 0
                 for buf in buffers:
                     buf[:] = blob[pos : pos + buf.nbytes]

@@ -191,8 +191,8 @@ def copy_record_box(
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.frombuffer(data, dtype=layout.dtype, count=count, offset=layout.payload_offset) if count else (
             torch.empty(0, dtype=layout.dtype))
-    tensor = layout.values(storage.as_strided(layout.shape, layout.stride, layout.storage_offset))
-    dest.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])
+    tensor = storage.as_strided(layout.shape, layout.stride, layout.storage_offset)
+    layout.copy_values(dest, tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class BoxRead:
     def copy_from(self, storage: torch.Tensor, storage_offset: int = 0) -> None:
         """Copy the box out of a buffer laid out like the stored chunk's storage."""
         start = storage_offset + sum(o * s for o, s in zip(self.offsets, self.layout.stride))
-        self.dest.copy_(self.layout.values(storage.as_strided(self.lengths, self.layout.stride, start)))
+        self.layout.copy_values(self.dest, storage.as_strided(self.lengths, self.layout.stride, start))
 
     def resolve_in_place(self) -> None:
         """Bytes read straight into the destination become values (the record's bits)."""
@@ -324,7 +324,7 @@ def _dense_request(box: BoxRead) -> Request:
         data = tensor_bytes(temp.get(), staged)
         return [data[i * run_bytes : (i + 1) * run_bytes] for i in range(len(ranges))]
 
-    return Request(box.path, box.key, ranges, targets, lambda: box.dest.copy_(box.layout.values(temp.release())),
+    return Request(box.path, box.key, ranges, targets, lambda: box.layout.copy_values(box.dest, temp.release()),
                    box.device, numel(box.lengths) * dtype.itemsize)
 
 

@@ -148,7 +148,7 @@ def test_a_failing_read_releases_the_buffers_and_names_the_file(tmp_path):
     path.write_bytes(path.read_bytes()[: records[2][0].offset])  # the last two records are gone
     settings = ReadSettings(Location(tmp_path), 2, lambda p, k: CheckpointError("missing"), staging_buffers=2, staging_buffer_bytes=4096)
     executor = ScatterReads(settings)
-    with pytest.raises(CheckpointError, match="f.distcp.*unexpected end of file"):
+    with pytest.raises(CheckpointError, match="f.distcp: unexpected end of file at byte .*, reading key 'k'"):
         executor.run(requests, LoadIdentity(str(tmp_path), 0))
     _assert_pool_bounded(executor, 2)
 

@@ -80,6 +80,18 @@ def test_conj_and_neg_views_load_resolved(tmp_path, writer, verify):
     assert_bit_exact(load_into(want, tmp_path, verify_checksums=verify), want)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_flagged_records_cast_into_other_dtypes(tmp_path, verify):
+    """A destination of another dtype gets the values cast, signs included: torch's
+    float16-to-float32 copy drops a neg bit (stock FileSystemReader loads ``neg_half``
+    into float32 with its signs flipped)."""
+    state = views()
+    save_with("stock", state, tmp_path)
+    wider = {torch.float32: torch.float64, torch.float16: torch.float32, torch.complex64: torch.complex128}
+    want = {k: v.to(wider[v.dtype]) for k, v in resolved(state).items()}
+    assert_bit_exact(load_into(want, tmp_path, verify_checksums=verify), want)
+
+
 def test_our_records_hold_resolved_values_for_stock_readers(tmp_path):
     """Stock FileSystemReader reads our file right, and our records carry no math bits."""
     state = views()
