@@ -57,7 +57,9 @@ def options_from(args: argparse.Namespace) -> MegatronOptions:
 
 
 def _is_int(text: str) -> bool:
-    return text.lstrip("-").isdigit()
+    """An optional minus sign and ASCII digits: what ``int`` takes (``str.isdigit`` also
+    takes characters such as '²', which ``int`` refuses)."""
+    return re.fullmatch(r"-?[0-9]+", text) is not None
 
 
 def parse_size(text: str) -> int:
@@ -81,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
         given = [f"--{name.replace('_', '-')}" for name in _HF_ONLY if getattr(args, name) is not None]
         if given:
             raise InvalidRequestError(f"{', '.join(given)} only apply with --to hf")
+    if args.dst.startswith("memory://"):
+        raise InvalidRequestError(f"{args.dst}: a memory:// checkpoint lives inside one process; this one would end with dcp-ext")
     bar = ProgressBar("converting")
     if args.to == "hf":
         report = export_safetensors(

@@ -29,7 +29,8 @@ def main(args: argparse.Namespace) -> int:
               "empty file a stock writer with more threads than items makes; loads never read it)")
     status = "OK" if report.ok else f"FAILED ({len(report.faults)} faults)"
     print(
-        f"{status}: {report.path} (save {report.save_id}): {report.items_checked} items in {report.files} files, "
+        f"{status}: {report.path}{'' if report.save_id is None else f' (save {report.save_id})'}: "
+        f"{report.items_checked} items in {report.files} files, "
         f"{report.bytes_checked} bytes checked"
         + (f", {report.items_without_checksum} items carry no checksum (their format records none)" if report.items_without_checksum else "")
     )

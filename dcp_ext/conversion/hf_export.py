@@ -36,9 +36,10 @@ from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.runtime import options
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.reader import ShardReader
+from dcp_ext.storage.reader import ShardReader, checking_reader
 
 INDEX_NAME = "model.safetensors.index.json"
+EXPORT_FILE = re.compile(r"model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?")  # what overwrite replaces
 BATCH_BYTES = 128 << 20  # two in memory at once: one written, the next loading
 
 
@@ -80,7 +81,9 @@ def export_safetensors(
     ``dtype`` casts floating-point tensors (others keep theirs); ``include`` / ``exclude``
     are regular expressions searched in each key; ``max_shard_bytes`` bounds a shard
     (a larger tensor gets a shard of its own). ``dst`` must not exist unless
-    ``overwrite=True``.
+    ``overwrite=True``, which replaces the export's files (``model*.safetensors`` and the
+    index) and keeps every other file there (``config.json``, tokenizer files), as
+    ``save_pretrained`` does.
     """
     options.positive_int("export_safetensors", "max_shard_bytes", max_shard_bytes)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -91,7 +94,7 @@ def export_safetensors(
         except (TypeError, re.error) as exc:
             raise InvalidRequestError(f"{name}={pattern!r} is not a regular expression ({exc})") from None
     target = _target_dir(dst, overwrite)
-    reader = ShardReader(src, megatron=megatron, storage_options=storage_options)
+    reader = checking_reader(src, megatron=megatron, storage_options=storage_options)
     if reader.location.within(Location(target)):  # the export replaces the target directory whole
         raise InvalidRequestError(f"{target}: holds the source checkpoint {reader.location.url}; export into another directory")
     tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude, reader.location.url)
@@ -121,10 +124,12 @@ def _target_dir(dst: str | os.PathLike[str], overwrite: bool) -> str:
     location = Location(dst)
     if not location.is_local:
         raise InvalidRequestError(f"{location.url}: safetensors export writes to a local directory, not a URL")
-    target = os.path.abspath(location.root)
+    target = os.path.realpath(location.root)  # a symlink to a directory: the export replaces what it points to
     if os.path.exists(target) and not (overwrite and os.path.isdir(target)):
         what = "a file" if os.path.isfile(target) else "an existing directory"
         raise InvalidRequestError(f"{target}: is {what}; export into a new directory" + ("" if overwrite else " (or pass overwrite)"))
+    if Location(os.getcwd()).within(Location(target)):
+        raise InvalidRequestError(f"{target}: holds the current directory, which the export would move; run it from elsewhere")
     return target
 
 
@@ -202,12 +207,35 @@ def _load_batch(reader: ShardReader, batch: list[_Tensor]) -> dict[str, torch.Te
 
 
 def _publish(staging: str, target: str) -> None:
-    """Rename the finished export into place (an old one, with overwrite, is moved aside first)."""
+    """Rename the finished export into place. With overwrite, the files of the directory
+    there that are not the export's come along first (hard links where possible), then the
+    old directory is moved aside and removed."""
     retired = None
     if os.path.exists(target):
+        for entry in os.scandir(target):
+            if not EXPORT_FILE.fullmatch(entry.name):
+                _carry(entry, os.path.join(staging, entry.name))
         retired = f"{target}.old-{uuid.uuid4().hex[:8]}"
         os.rename(target, retired)
     os.rename(staging, target)
     Location(os.path.dirname(target)).sync_directory()
     if retired is not None:
         shutil.rmtree(retired)
+
+
+def _carry(entry: os.DirEntry[str], to: str) -> None:
+    """Link (or copy) a file, a symlink or a directory tree of an old export's directory
+    into the new one."""
+    if entry.is_symlink():
+        os.symlink(os.readlink(entry.path), to)
+    elif entry.is_dir():
+        shutil.copytree(entry.path, to, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(entry.path, to)
+
+
+def _link_or_copy(source: str, to: str) -> None:
+    try:
+        os.link(source, to)
+    except OSError:  # another file system, or links not allowed there
+        shutil.copy2(source, to)

@@ -24,7 +24,7 @@ from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.reader import ShardReader
+from dcp_ext.storage.reader import checking_reader
 from dcp_ext.storage.writer import ShardWriter
 
 
@@ -84,7 +84,7 @@ def convert(
     only with ``overwrite=True`` (else ``CheckpointExistsError``).
     """
     # bytes items are copied as stored, never unpickled here: the reader's check is not needed
-    reader = ShardReader(src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True)
+    reader = checking_reader(src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True)
     metadata = reader.read_metadata()
     entries = metadata.state_dict_metadata
     _check_destination(reader.location, Location(dst, storage_options))

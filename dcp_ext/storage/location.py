@@ -42,11 +42,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 def store_failures(where: str) -> Iterator[None]:
     """A store client's own error becomes a CheckpointError naming ``where``: left as it
     was, it named an internal request (a listing URL) and passed every ``except OSError``
-    handler of the callers."""
+    handler of the callers. The client's OSErrors too (aiohttp's failed connections named
+    only the host)."""
     try:
         yield
     except Exception as exc:
-        if isinstance(exc, OSError) or type(exc).__module__.partition(".")[0] not in STORE_CLIENTS:
+        if type(exc).__module__.partition(".")[0] not in STORE_CLIENTS:
             raise
         raise CheckpointError(f"{where}: the object store failed ({type(exc).__name__}: {exc})") from exc
 
@@ -340,7 +341,8 @@ class LocalLocation(Location):
 
     def listdir(self, name: str = "") -> list[str]:
         full = self.path(name) if name else self.root
-        return os.listdir(full) if os.path.isdir(full) else []
+        with self._file_errors(name or "the directory's listing"):
+            return os.listdir(full) if os.path.isdir(full) else []
 
     def walk(self) -> list[str]:
         return [

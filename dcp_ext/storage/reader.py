@@ -549,6 +549,16 @@ class ShardReader(StorageReader):
         return dest
 
 
+def checking_reader(path: str | os.PathLike[str], **options: Any) -> ShardReader:
+    """A ``ShardReader`` that checks every checksum the checkpoint's format records, for
+    copies (convert, export): a copy of damaged bytes would carry fresh checksums that
+    match them. Formats that record none (Megatron zarr and legacy) are read as they are."""
+    reader = ShardReader(path, **options)
+    reader.read_metadata()
+    reader.verify_checksums = FORMATS[reader._require_catalog().format].checksums
+    return reader
+
+
 def _plans_every_element(planner: LoadPlanner) -> bool:
     """Whether the planner's local plan reads every element of each destination it loads:
     DCP's ``DefaultLoadPlanner`` and its subclasses that keep its ``create_local_plan``

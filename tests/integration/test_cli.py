@@ -107,6 +107,12 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     truncated = tmp_path / "truncated"  # convert loads inside its save: the error comes wrapped twice
     save(sample_state(), truncated)
     os.truncate(next(truncated.glob("*.distcp")), 100)
+    damaged = tmp_path / "damaged"  # a copy would carry the damage under fresh checksums
+    save({"w": torch.arange(1000.0)}, damaged, thread_count=1)
+    data_file = next(damaged.glob("*.distcp"))
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
     return {
         "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
         "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
@@ -129,6 +135,12 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "inspect an unknown URL scheme": (["inspect", "s3x://bucket/x"], "s3x://bucket/x: cannot open this URL (Protocol not known: s3x)"),
         "convert into /proc": (["convert", str(ckpt), "/proc/no/such"], "/proc/no/such: cannot create the checkpoint directory"),
         "convert a truncated checkpoint": (["convert", str(truncated), str(tmp_path / "o7")], "but the file has 100 bytes (truncated?)"),
+        "inspect a server that refuses": (["inspect", "https://127.0.0.1:1/ckpt"], "https://127.0.0.1:1/ckpt: the object store failed"),
+        "convert into memory://": (["convert", str(ckpt), "memory://ck"], "memory://ck: a memory:// checkpoint lives inside one process"),
+        "convert --iteration ²": (["convert", str(ckpt), str(tmp_path / "o8"), "--iteration=²"], "--iteration '²' is neither"),
+        "convert a damaged checkpoint": (["convert", str(damaged), str(tmp_path / "o9")], "key 'w': crc32c mismatch"),
+        "convert --to hf a damaged checkpoint": (
+            ["convert", str(damaged), str(tmp_path / "o10"), "--to", "hf"], "key 'w': crc32c mismatch"),
     }
 
 
@@ -136,7 +148,9 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "inspect a file", "inspect .metadata directory", "inspect our .metadata directory", "inspect missing", "inspect without .metadata",
     "convert onto a file", "convert onto itself", "convert a file", "convert --iteration ten", "convert --partition-dim",
     "convert --iteration of a DCP checkpoint", "convert --partition-dim not a regex", "convert --to hf --include not a regex",
-    "inspect an unknown URL scheme", "convert into /proc", "convert a truncated checkpoint",
+    "inspect an unknown URL scheme", "convert into /proc", "convert a truncated checkpoint", "convert --iteration ²",
+    "convert a damaged checkpoint", "convert --to hf a damaged checkpoint", "inspect a server that refuses",
+    "convert into memory://",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main

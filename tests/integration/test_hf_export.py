@@ -117,6 +117,30 @@ def test_destination_rules_and_failed_exports_leave_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "taken"]
 
 
+def test_overwrite_replaces_the_export_files_and_keeps_the_rest(tmp_path, monkeypatch):
+    """``overwrite`` replaced the whole directory: the config.json and tokenizer files the
+    README tells users to copy beside an export were deleted, and so was everything in an
+    unrelated directory. Now only the export's own files change, as with save_pretrained."""
+    state = mixed_state()
+    save(state, tmp_path / "ckpt")
+    out = tmp_path / "real"
+    export_safetensors(tmp_path / "ckpt", out, max_shard_bytes=1000)  # several shards
+    (out / "config.json").write_text("{}")
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "vocab.txt").write_text("a b")
+    (out / "readme.link").symlink_to("config.json")
+    (tmp_path / "link").symlink_to(out)  # a symlinked destination: the export lands where it points
+    export_safetensors(tmp_path / "ckpt", tmp_path / "link", overwrite=True, include="embed")
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors", INDEX, "readme.link", "tokenizer"]
+    assert (out / "tokenizer" / "vocab.txt").read_text() == "a b" and os.readlink(out / "readme.link") == "config.json"
+    assert_tensors_equal(read_with_safetensors(out), {"embed.weight": state["embed.weight"]})
+    monkeypatch.chdir(out / "tokenizer")  # the directory the export would move holds the current one
+    with pytest.raises(InvalidRequestError, match="holds the current directory"):
+        export_safetensors(tmp_path / "ckpt", out, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "link", "real"]
+
+
 def test_an_export_never_replaces_its_source(tmp_path):
     """Before, ``overwrite=True`` into the source (or a directory holding it) replaced it
     with the export: the checkpoint was gone."""
