@@ -65,9 +65,10 @@ def _is_int(text: str) -> bool:
 def parse_size(text: str) -> int:
     """``5GB`` (decimal, as Hugging Face), ``2GiB``, or plain bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
-    if match is None or match[2] not in _UNITS or float(match[1]) <= 0:
+    size = 0 if match is None or match[2] not in _UNITS else int(float(match[1]) * _UNITS[match[2]])
+    if size < 1:  # also a size under one byte (0.5B)
         raise InvalidRequestError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(match[1]) * _UNITS[match[2]])
+    return size
 
 
 def parse_dtype(name: str) -> torch.dtype:

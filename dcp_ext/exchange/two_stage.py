@@ -166,15 +166,18 @@ class TwoStageExchange:
         published = _describe(planning_error) if planning_error else mine
         everyone: list = [None] * self.world
         with self.clock.phase("exchange"):
-            dist.all_gather_object(everyone, (identity, published), group=self.group)
-        self._check_one_load([who for who, _ in everyone])
-        everyone = [needs for _, needs in everyone]
+            dist.all_gather_object(everyone, (identity, self.budget_bytes, published), group=self.group)
+        self._check_one_load([who for who, _, _ in everyone])
+        # the smallest budget any rank gave: ranks that batched by their own budgets made
+        # different numbers of collectives and waited for each other until the timeout
+        budget = min(given for _, given, _ in everyone)
+        everyone = [needs for _, _, needs in everyone]
         self._raise_if_failed([e if isinstance(e, str) else None for e in everyone], "planning the load")
         segments = plan_segments(everyone)
         pieces = _Pieces(requests)
         bytes_read, files = 0, set()
         # Two batches are in flight (one exchanged while the next is read), so each gets half.
-        batches = _batches(segments, max(1, self.budget_bytes // 2))
+        batches = _batches(segments, max(1, budget // 2))
         # A piece that fails its checks as it lands (a checksum, a decode) fails on the ranks
         # that need it only: the others are already in the next batch's collective, so the
         # failure is shared there, like a read error; after the last batch every rank goes on

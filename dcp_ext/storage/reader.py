@@ -248,11 +248,23 @@ class ShardReader(StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """Each rank's plan says whether its reader exchanges (unless the planner uses the
+        plan's storage data itself), so that the coordinator can refuse a group whose ranks
+        disagree: their collectives would pair with DCP's own and leave ranks waiting."""
+        if plan.storage_data is not None:
+            return plan
+        return dataclasses.replace(plan, storage_data=ReaderMode(self.two_stage))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self._exchanges_in_job() and len(plans) != dist.get_world_size():
             raise self._subgroup_error()  # a sub-group of ranks 0..k-1: their DCP ranks are their own
+        exchanging = [isinstance(plan.storage_data, ReaderMode) and plan.storage_data.two_stage for plan in plans]
+        if any(exchanging) and not all(exchanging):
+            raise InvalidRequestError(
+                f"{self.location.url}: ShardReader(two_stage=True) on ranks {[r for r, on in enumerate(exchanging) if on]} "
+                f"of dcp.load's group but not on ranks {[r for r, on in enumerate(exchanging) if not on]} (two_stage=False "
+                "or another reader); every rank must pass the same reader options"
+            )
         return plans
 
     @gc_paused()  # a plan of thousands of items builds tens of thousands of objects, no garbage
@@ -557,6 +569,13 @@ def checking_reader(path: str | os.PathLike[str], **options: Any) -> ShardReader
     reader.read_metadata()
     reader.verify_checksums = FORMATS[reader._require_catalog().format].checksums
     return reader
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderMode:
+    """What a rank's ``ShardReader`` puts in its load plan's ``storage_data``."""
+
+    two_stage: bool
 
 
 def _plans_every_element(planner: LoadPlanner) -> bool:

@@ -194,3 +194,5 @@ def test_cli_convert_to_hf_exports_tensors_and_names_skipped_items(tmp_path, cap
     assert capsys.readouterr().err.strip() == "error: --dtype only apply with --to hf"
     assert cli([*argv[:2], str(tmp_path / "h2"), "--to", "hf", "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err
+    assert cli([*argv[:2], str(tmp_path / "h3"), "--to", "hf", "--max-shard-size", "0.5B"]) == 2  # rounds to 0 bytes
+    assert "--max-shard-size '0.5B' is not a size" in capsys.readouterr().err

@@ -235,3 +235,29 @@ def test_many_small_batches_overlap_reading_and_sending(tmp_path):
     reads = run_job(_load_everything, 4, str(tmp_path), "small_batches")
     unique = _unique_payload()
     assert unique <= sum(reads) <= 1.05 * unique
+
+
+def _ranks_give_different_options(rank: int, world: int, path: str, variant: str) -> str:
+    """``budget``: each rank its own exchange budget (sized from its host's free memory,
+    say): the ranks batched by their own budgets, made different numbers of collectives and
+    all waited until the timeout. ``mixed``: two_stage on rank 0 only: its exchange paired
+    with DCP's own gather on rank 1, which returned while rank 0 waited."""
+    full = full_tensors()
+    state = {k: garbage_like(v) for k, v in full.items()}
+    if variant == "budget":
+        dcp.load(state, storage_reader=ShardReader(path, two_stage=True, exchange_budget_bytes=(16 << 10) << (6 * rank)))
+        for name, value in state.items():
+            assert_tensor_equal(value, full[name], name)
+        return "loaded"
+    try:
+        dcp.load(state, storage_reader=ShardReader(path, two_stage=rank == 0), planner=ShardLoadPlanner())
+    except BaseException as exc:
+        return str(next(iter(exc.failures.values()))[0])
+    return "loaded"
+
+
+def test_ranks_with_different_budgets_or_modes_end_together(tmp_path):
+    _save_plain(str(tmp_path))
+    assert run_job(_ranks_give_different_options, 2, str(tmp_path), "budget", timeout=60) == ["loaded", "loaded"]
+    messages = run_job(_ranks_give_different_options, 2, str(tmp_path), "mixed", timeout=60)
+    assert all("two_stage=True) on ranks [0] of dcp.load's group but not on ranks [1]" in m for m in messages), messages
