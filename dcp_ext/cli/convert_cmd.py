@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--allow-incomplete", action="store_true", help="accept a save without metadata.json")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+    parser.add_argument(
+        "--allow-uncommitted", action="store_true",
+        help="copy a checkpoint without a matching commit marker (a save interrupted after its data files were written)",
+    )
     hf = parser.add_argument_group("--to hf only")
     hf.add_argument("--max-shard-size", metavar="SIZE", help="largest shard, e.g. 5GB (default), 500MB, 2GiB")
     hf.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
@@ -54,6 +58,11 @@ def options_from(args: argparse.Namespace) -> MegatronOptions:
             raise InvalidRequestError(f"--iteration {iteration!r} is neither an iteration number nor 'release'")
         iteration = int(iteration)
     return MegatronOptions(iteration=iteration, partition_dims=rules, allow_incomplete=args.allow_incomplete)
+
+
+def _commit_marker(args: argparse.Namespace) -> bool | None:
+    """``--allow-uncommitted``: the reader's require_commit_marker=False; else its default."""
+    return False if args.allow_uncommitted else None
 
 
 def _is_int(text: str) -> bool:
@@ -91,14 +100,16 @@ def main(args: argparse.Namespace) -> int:
         report = export_safetensors(
             args.src, args.dst, max_shard_bytes=parse_size(args.max_shard_size or "5GB"),
             dtype=parse_dtype(args.dtype) if args.dtype else None, include=args.include, exclude=args.exclude,
-            overwrite=args.overwrite, megatron=options, progress=bar,
+            overwrite=args.overwrite, megatron=options, progress=bar, require_commit_marker=_commit_marker(args),
         )
         bar.close()
         print(f"exported {report.keys} tensors ({report.bytes} bytes) in {len(report.files)} safetensors files to {args.dst}")
         if report.skipped:
             print(f"skipped {len(report.skipped)} non-tensor items: {', '.join(report.skipped)}")
         return 0
-    report = convert(args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite)
+    report = convert(
+        args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite, require_commit_marker=_commit_marker(args)
+    )
     bar.close()
     print(f"converted {report.keys} keys ({report.bytes} tensor bytes) from {args.src} to {args.dst}")
     return 0

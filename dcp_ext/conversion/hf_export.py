@@ -75,6 +75,7 @@ def export_safetensors(
     megatron: MegatronOptions | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    require_commit_marker: bool | None = None,
 ) -> ExportReport:
     """Write the tensors of ``src`` as safetensors shards into the local directory ``dst``.
 
@@ -83,7 +84,7 @@ def export_safetensors(
     (a larger tensor gets a shard of its own). ``dst`` must not exist unless
     ``overwrite=True``, which replaces the export's files (``model*.safetensors`` and the
     index) and keeps every other file there (``config.json``, tokenizer files), as
-    ``save_pretrained`` does.
+    ``save_pretrained`` does. ``require_commit_marker`` is ``ShardReader``'s.
     """
     options.positive_int("export_safetensors", "max_shard_bytes", max_shard_bytes)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -94,7 +95,7 @@ def export_safetensors(
         except (TypeError, re.error) as exc:
             raise InvalidRequestError(f"{name}={pattern!r} is not a regular expression ({exc})") from None
     target = _target_dir(dst, overwrite)
-    reader = checking_reader(src, megatron=megatron, storage_options=storage_options)
+    reader = checking_reader(src, megatron=megatron, storage_options=storage_options, require_commit_marker=require_commit_marker)
     if reader.location.within(Location(target)):  # the export replaces the target directory whole
         raise InvalidRequestError(f"{target}: holds the source checkpoint {reader.location.url}; export into another directory")
     tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude, reader.location.url)

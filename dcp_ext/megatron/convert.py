@@ -77,14 +77,19 @@ def convert(
     progress: Callable[[int, int], None] | None = None,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
+    require_commit_marker: bool | None = None,
 ) -> ConvertReport:
     """Write every item of ``src`` to a new ShardWriter checkpoint at ``dst``.
 
     ``dst`` must not be ``src`` nor a file; a checkpoint already at ``dst`` is replaced
-    only with ``overwrite=True`` (else ``CheckpointExistsError``).
+    only with ``overwrite=True`` (else ``CheckpointExistsError``). ``require_commit_marker``
+    is ``ShardReader``'s: False copies a checkpoint whose save was interrupted after its
+    data files were written.
     """
     # bytes items are copied as stored, never unpickled here: the reader's check is not needed
-    reader = checking_reader(src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True)
+    reader = checking_reader(
+        src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True, require_commit_marker=require_commit_marker
+    )
     metadata = reader.read_metadata()
     entries = metadata.state_dict_metadata
     _check_destination(reader.location, Location(dst, storage_options))

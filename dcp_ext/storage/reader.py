@@ -306,7 +306,8 @@ class ShardReader(StorageReader):
         wait for ranks that never join."""
         return InvalidRequestError(
             f"{self.location.url}: ShardReader(two_stage=True) without group= exchanges within the whole job, "
-            "but dcp.load runs on a sub-group; pass ShardReader(group=...) the process group given to dcp.load"
+            "but dcp.load runs on a sub-group (or in one process, no_dist=True); pass ShardReader(group=...) the "
+            "process group given to dcp.load, or load without two_stage"
         )
 
     def _bytes_checked(self, planner: LoadPlanner) -> LoadPlanner:
@@ -382,8 +383,8 @@ class ShardReader(StorageReader):
             raise CheckpointError(
                 f"{self.location.url}: checkpoint is not committed: no commit marker ({MARKER_NAME}) matches "
                 f"{METADATA_NAME}, so a save into it was interrupted or is still running. Pass "
-                "require_commit_marker=False to load it anyway (its data files were all written before "
-                f"{METADATA_NAME})"
+                "require_commit_marker=False (dcp-ext convert: --allow-uncommitted) to load it anyway (its data "
+                f"files were all written before {METADATA_NAME})"
             )
 
     def _check_destinations_filled(self, catalog: Catalog, plan: LoadPlan, planner: LoadPlanner) -> None:

@@ -162,6 +162,28 @@ def test_checkpoint_without_marker_is_refused_unless_opted_out(s3, url):
     assert_state_dict_equal(load(state, url, storage_options=s3.options, require_commit_marker=False)[0], state)
 
 
+def test_convert_copies_an_uncommitted_checkpoint_only_when_told(s3, url, tmp_path):
+    """The refusal told CLI users to pass require_commit_marker=False, which no dcp-ext
+    option took; --allow-uncommitted now does (the endpoint from the environment)."""
+    from dcp_ext.megatron.convert import convert
+
+    state = sample_state(6)
+    save(state, url, storage_options=s3.options)
+    s3.fs().rm_file(f"{url}/{MARKER_NAME}")
+    with pytest.raises(CheckpointError, match=r"not committed.*--allow-uncommitted"):
+        convert(url, f"{url}-copy", storage_options=s3.options)
+    convert(url, f"{url}-copy", storage_options=s3.options, require_commit_marker=False)
+    assert_state_dict_equal(load(state, f"{url}-copy", storage_options=s3.options)[0], state)
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3.port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-west-2"}
+    cli = [sys.executable, "-m", "dcp_ext.cli.main", "convert", url, str(tmp_path / "cli")]
+    refused = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--allow-uncommitted" in refused.stderr, refused.stderr
+    copied = subprocess.run([*cli, "--allow-uncommitted"], env=env, capture_output=True, text=True, timeout=120)
+    assert copied.returncode == 0, copied.stderr
+    assert_state_dict_equal(load(state, tmp_path / "cli")[0], state)
+
+
 def _crashing_save_job(rank: int, world: int, url: str, options: dict, seed: int, phase: str) -> None:
     os.environ[CRASH_ENV] = phase
     save(sample_state(seed), url, storage_options=options)
