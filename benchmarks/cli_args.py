@@ -5,6 +5,7 @@ found only when the results were ready, and they were lost)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -18,8 +19,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {value}")
     return value
 
 

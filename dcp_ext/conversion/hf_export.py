@@ -131,7 +131,18 @@ def _target_dir(dst: str | os.PathLike[str], overwrite: bool) -> str:
         raise InvalidRequestError(f"{target}: is {what}; export into a new directory" + ("" if overwrite else " (or pass overwrite)"))
     if Location(os.getcwd()).within(Location(target)):
         raise InvalidRequestError(f"{target}: holds the current directory, which the export would move; run it from elsewhere")
+    mount = next(iter(_mount_points(target)), None) if os.path.isdir(target) else None
+    if mount is not None:  # the swap cannot move it, and removing the old directory would empty it
+        raise InvalidRequestError(f"{target}: {mount} is a mount point, which the export cannot replace; export into a new directory")
     return target
+
+
+def _mount_points(top: str) -> Iterator[str]:
+    """``top`` and the directories under it that are mount points (symlinks not followed)."""
+    if os.path.ismount(top):
+        yield top
+    for parent, dirs, _ in os.walk(top):
+        yield from (os.path.join(parent, d) for d in dirs if os.path.ismount(os.path.join(parent, d)))
 
 
 def _select(

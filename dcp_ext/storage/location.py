@@ -535,10 +535,12 @@ class RangeReader(ABC):
         """Release what the reader holds."""
 
     def _ended_early(self, offset: int) -> CheckpointError:
-        """The file ended before a byte the load planned to read: it shrank since."""
+        """The file ended before a byte the load planned to read (the planning checked its
+        size: it shrank since)."""
         reading = f", reading key {self.key!r} or one after it in the file" if self.key else ""
         return CheckpointError(
-            f"{self.path}: unexpected end of file at byte {offset}{reading} (the file shrank after the load was planned)"
+            f"{self.path}: unexpected end of file at byte {offset}{reading} (the file is shorter than when the "
+            "load was planned)"
         )
 
 
@@ -588,7 +590,12 @@ class FsspecRangeReader(RangeReader):
             for (offset, buffers, nbytes), blob in zip(batch, blobs):
                 if isinstance(blob, BaseException):
                     raise blob
-                if len(blob) != nbytes:
+                if len(blob) > nbytes:
+                    raise CheckpointError(
+                        f"{self.url}: asked for {nbytes} bytes at byte {offset}, the server sent {len(blob)}: it ignores "
+                        "range requests, which loads need (stock FsspecReader reads whole files)"
+                    )
+                if len(blob) < nbytes:
                     raise self._ended_early(offset + len(blob))
                 pos = 0
                 for buf in buffers:

@@ -158,6 +158,7 @@ class ShardReader(StorageReader):
         self.clock = PhaseClock(LOAD_PHASES)
         self.on_report = options.callback("ShardReader", "on_report", on_report)
         self.last_report: LoadReport | None = None
+        self._mode_sent = False  # this rank's load plan carries its ReaderMode (prepare_local_plan)
         self.catalog: Catalog | None = None
         self._metadata_error: CheckpointError | None = None  # the last read_metadata() failure, for DCP's retry with rank=
         self.rank = 0
@@ -251,7 +252,8 @@ class ShardReader(StorageReader):
         """Each rank's plan says whether its reader exchanges (unless the planner uses the
         plan's storage data itself), so that the coordinator can refuse a group whose ranks
         disagree: their collectives would pair with DCP's own and leave ranks waiting."""
-        if plan.storage_data is not None:
+        self._mode_sent = plan.storage_data is None
+        if not self._mode_sent:
             return plan
         return dataclasses.replace(plan, storage_data=ReaderMode(self.two_stage))
 
@@ -265,13 +267,18 @@ class ShardReader(StorageReader):
                 f"of dcp.load's group but not on ranks {[r for r, on in enumerate(exchanging) if not on]} (two_stage=False "
                 "or another reader); every rank must pass the same reader options"
             )
-        return plans
+        return [
+            dataclasses.replace(plan, storage_data=dataclasses.replace(plan.storage_data, checked=True))
+            if isinstance(plan.storage_data, ReaderMode) else plan
+            for plan in plans
+        ]
 
     @gc_paused()  # a plan of thousands of items builds tens of thousands of objects, no garbage
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
         self.clock.charge_rest("plan")
         planned_by = planner  # the planner itself, before the bytes-checking wrapper
+        self._check_mode_confirmed(plan)
         planner = self._bytes_checked(planner)
         catalog = self._require_catalog()
         settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes)
@@ -295,6 +302,18 @@ class ShardReader(StorageReader):
         for commit_item in commits:
             commit_item()
         return self._finish_read(plan, bytes_read, files, started)
+
+    def _check_mode_confirmed(self, plan: LoadPlan) -> None:
+        """A two-stage rank whose plan the coordinator did not stamp raises before any
+        exchange: the coordinator loads with another reader, which cannot have checked that
+        every rank exchanges (raised here, DCP hands the error to every rank)."""
+        mode = plan.storage_data
+        if self.two_stage and self._mode_sent and not (isinstance(mode, ReaderMode) and mode.checked):
+            raise InvalidRequestError(
+                f"{self.location.url}: ShardReader(two_stage=True) on this rank, but dcp.load's coordinator did not "
+                "confirm that every rank of its group exchanges (it loads with another reader, or the planner's "
+                "finish_plan dropped the plan's storage_data); every rank must pass the same reader options"
+            )
 
     def _exchanges_in_job(self) -> bool:
         """Whether this load exchanges within the whole job (two_stage=True without group=)."""
@@ -577,6 +596,7 @@ class ReaderMode:
     """What a rank's ``ShardReader`` puts in its load plan's ``storage_data``."""
 
     two_stage: bool
+    checked: bool = False  # set by the coordinator's ShardReader once every rank's mode agreed
 
 
 def _plans_every_element(planner: LoadPlanner) -> bool:

@@ -215,7 +215,7 @@ class OpenSave:
         """Best effort: remove the save's files (and its directory when it created it)."""
         try:
             removed = discard_save(self.location, self.token, self.save_id, self.created_dir)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # the store's own failures arrive as CheckpointError
             log.warning("%s: could not remove the files of failed save %s: %s", self.location.url, self.token, exc)
             return
         if removed:

@@ -141,6 +141,26 @@ def test_overwrite_replaces_the_export_files_and_keeps_the_rest(tmp_path, monkey
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "link", "real"]
 
 
+def test_overwrite_refuses_a_destination_holding_a_mount_point(tmp_path):
+    """The swap moved the directory and then removed the old one: the files on a file
+    system mounted inside it were deleted, and the removal failed (EBUSY) after the export
+    had been published."""
+    import subprocess
+
+    save(mixed_state(), tmp_path / "ckpt")
+    mount = tmp_path / "out" / "data"
+    mount.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (mount / "precious.txt").write_text("kept")
+        with pytest.raises(InvalidRequestError, match="data is a mount point, which the export cannot replace"):
+            export_safetensors(tmp_path / "ckpt", tmp_path / "out", overwrite=True)
+        assert (mount / "precious.txt").read_text() == "kept" and sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
 def test_an_export_never_replaces_its_source(tmp_path):
     """Before, ``overwrite=True`` into the source (or a directory holding it) replaced it
     with the export: the checkpoint was gone."""

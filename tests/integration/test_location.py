@@ -102,3 +102,26 @@ def test_a_save_onto_a_file_says_so(tmp_path, where) -> None:
     error = next(iter(info.value.failures.values()))[0]
     assert isinstance(error, CheckpointError) and str(error).endswith("is a file (or under one), not a checkpoint directory"), error
     assert Location(path).url in str(error)
+
+
+@pytest.mark.mp  # a server thread on loopback
+def test_a_server_that_ignores_range_requests_is_named(tmp_path) -> None:
+    """Python's http.server answers a range request with the whole file: the load said the
+    file had shrunk since planning, at a byte past its end."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    dcp.save({"a": torch.arange(1000.0)}, storage_writer=ShardWriter(tmp_path / "ckpt"), no_dist=True)
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/ckpt"
+        with pytest.raises(CheckpointException) as failed:
+            dcp.load({"a": torch.full((1000,), float("nan"))}, storage_reader=ShardReader(url), no_dist=True)
+        message = str(next(iter(failed.value.failures.values()))[0])
+        assert f"{url}/" in message and "the server sent" in message and "ignores range requests" in message, message
+    finally:
+        server.shutdown()

@@ -241,7 +241,8 @@ def _ranks_give_different_options(rank: int, world: int, path: str, variant: str
     """``budget``: each rank its own exchange budget (sized from its host's free memory,
     say): the ranks batched by their own budgets, made different numbers of collectives and
     all waited until the timeout. ``mixed``: two_stage on rank 0 only: its exchange paired
-    with DCP's own gather on rank 1, which returned while rank 0 waited."""
+    with DCP's own gather on rank 1, which returned while rank 0 waited.
+    ``stock_coordinator``: the same with a stock reader at the coordinator."""
     full = full_tensors()
     state = {k: garbage_like(v) for k, v in full.items()}
     if variant == "budget":
@@ -249,8 +250,11 @@ def _ranks_give_different_options(rank: int, world: int, path: str, variant: str
         for name, value in state.items():
             assert_tensor_equal(value, full[name], name)
         return "loaded"
+    reader = ShardReader(path, two_stage=rank == 0)
+    if variant == "stock_coordinator":  # nothing at the coordinator checks the modes
+        reader = dcp.FileSystemReader(path) if rank == 0 else ShardReader(path, two_stage=True)
     try:
-        dcp.load(state, storage_reader=ShardReader(path, two_stage=rank == 0), planner=ShardLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
     except BaseException as exc:
         return str(next(iter(exc.failures.values()))[0])
     return "loaded"
@@ -261,3 +265,5 @@ def test_ranks_with_different_budgets_or_modes_end_together(tmp_path):
     assert run_job(_ranks_give_different_options, 2, str(tmp_path), "budget", timeout=60) == ["loaded", "loaded"]
     messages = run_job(_ranks_give_different_options, 2, str(tmp_path), "mixed", timeout=60)
     assert all("two_stage=True) on ranks [0] of dcp.load's group but not on ranks [1]" in m for m in messages), messages
+    messages = run_job(_ranks_give_different_options, 2, str(tmp_path), "stock_coordinator", timeout=60)
+    assert all("coordinator did not confirm that every rank of its group exchanges" in m for m in messages), messages

@@ -325,3 +325,19 @@ def test_an_endpoint_that_does_not_answer_is_named_with_the_checkpoint():
     message = str(rank_failure(loaded.value))
     assert message.count("s3://bkt/ckpt: the object store failed (EndpointConnectionError") == 2, message
     assert "__0.metadata" not in message, message
+
+
+def test_cleanup_of_a_failed_save_on_a_store_that_is_gone_only_warns(caplog):
+    """The cleanup is best effort: since the store's own failures became CheckpointErrors,
+    one raised out of it and replaced the save's real error."""
+    from dcp_ext.storage.location import Location
+    from dcp_ext.storage.save_tracking import OpenSave
+
+    for url in ("http://127.0.0.1:9/ckpt", "s3://bkt/ckpt"):  # port 9: nothing listens
+        options = None if url.startswith("http") else {
+            "key": "x", "secret": "x", "skip_instance_cache": True,
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-west-2"},
+            "config_kwargs": {"retries": {"max_attempts": 1}}}
+        with caplog.at_level("WARNING", logger="dcp_ext"):
+            OpenSave(Location(url, options), "token", "", False).discard()
+        assert f"{url}: could not remove the files of failed save token" in caplog.text
