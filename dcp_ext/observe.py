@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+from dcp_ext.errors import InvalidRequestError
+
 LOGGER = logging.getLogger("dcp_ext")
 SAVE_PHASES = ("plan", "write", "metadata", "commit")
 LOAD_PHASES = ("metadata", "plan", "read", "exchange")
@@ -96,6 +98,8 @@ _callbacks_lock = threading.Lock()
 
 def add_report_callback(fn: ReportCallback) -> None:
     """Call ``fn(report)`` for every save and load report of this process (once, if added twice)."""
+    if not callable(fn):
+        raise InvalidRequestError(f"add_report_callback(fn) needs a callable, got {fn!r}")
     with _callbacks_lock:
         if fn not in _callbacks:
             _callbacks.append(fn)

@@ -87,6 +87,8 @@ def export_safetensors(
     ``save_pretrained`` does. ``require_commit_marker`` is ``ShardReader``'s.
     """
     options.positive_int("export_safetensors", "max_shard_bytes", max_shard_bytes)
+    options.flag("export_safetensors", "overwrite", overwrite)
+    options.callback("export_safetensors", "progress", progress)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise InvalidRequestError(f"dtype={dtype!r}: export casts floating-point tensors, so it must be a float dtype (a torch.dtype)")
     for name, pattern in (("include", include), ("exclude", exclude)):

@@ -87,7 +87,17 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             raise InvalidRequestError(f"ShardSavePlanner(tp_dim=...) must be a mesh dimension name or None, got {tp_dim!r}")
         if tp_dim is not None and not replica_locality:
             raise InvalidRequestError("ShardSavePlanner: tp_dim only applies with replica_locality=True")
-        cache_plans = kwargs.pop("enable_plan_caching", False) or cache_plans
+        alias = kwargs.pop("enable_plan_caching", None)  # DCP's name for the same switch
+        if alias is not None and options.flag("ShardSavePlanner", "enable_plan_caching", alias) != cache_plans:
+            raise InvalidRequestError(
+                f"ShardSavePlanner: enable_plan_caching={alias} and cache_plans={cache_plans} (default True) are the same "
+                "switch; pass cache_plans alone"
+            )
+        if kwargs.get("dedup_save_to_lowest_rank"):
+            raise InvalidRequestError(
+                "ShardSavePlanner(dedup_save_to_lowest_rank=True): this planner spreads replicated items over the ranks "
+                "that hold them (by bytes), so it cannot take effect; use DefaultSavePlanner for that policy"
+            )
         if group is not None and not cache_plans:
             raise InvalidRequestError("ShardSavePlanner: group= only applies with cache_plans=True (it runs the digest exchange)")
         if group is not None and not isinstance(group, dist.ProcessGroup):

@@ -19,7 +19,7 @@ import posixpath
 import shutil
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any, Callable, TypeVar
 
 import fsspec
@@ -423,6 +423,10 @@ class FsspecLocation(Location):
     is_local = False
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise InvalidRequestError(
+                f"{os.fspath(path)}: storage_options must be a dict of the filesystem's options, got {storage_options!r}"
+            )
         try:
             fs, root = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
         except (ValueError, ImportError) as exc:  # an unknown scheme, or its fsspec backend is not installed

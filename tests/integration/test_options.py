@@ -62,6 +62,7 @@ def test_a_storage_option_of_the_wrong_kind_is_refused_by_name(tmp_path, make, o
     (ShardSavePlanner, "tp_dim", 0),
     (ShardSavePlanner, "tp_dim", ""),
     (ShardSavePlanner, "group", "world"),
+    (ShardSavePlanner, "enable_plan_caching", "no"),  # DCP's name for cache_plans: it was taken by truthiness
     (ShardLoadPlanner, "placement_fn", "by_ep"),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else repr(v))
 def test_a_planner_option_of_the_wrong_kind_is_refused_by_name(make, option, value):
@@ -186,7 +187,36 @@ def test_partition_rules_for_a_checkpoint_without_tensor_parallelism_are_refused
     ({"max_shard_bytes": "5GB"}, r"export_safetensors\(max_shard_bytes=\.\.\.\) must be a positive integer"),
     ({"max_shard_bytes": 1.5}, r"export_safetensors\(max_shard_bytes=\.\.\.\) must be a positive integer"),
     ({"dtype": "bfloat16"}, r"dtype='bfloat16': export casts floating-point tensors"),
+    ({"overwrite": "false"}, r"export_safetensors\(overwrite=\.\.\.\) must be True or False"),  # replaced an export
+    ({"progress": "x"}, r"export_safetensors\(progress=\.\.\.\) must be callable"),  # failed after the whole export
 ])
 def test_export_options_of_the_wrong_kind_are_refused(tmp_path, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         export_safetensors(SAFETENSORS, tmp_path / "out", **kwargs)
+
+
+def test_stock_planner_options_that_cannot_take_effect_are_refused():
+    """``dedup_save_to_lowest_rank=True`` was accepted and ignored (the planner balances
+    replicas over ranks); ``enable_plan_caching`` overrode ``cache_plans=False``."""
+    with pytest.raises(InvalidRequestError, match=r"dedup_save_to_lowest_rank=True\): this planner spreads"):
+        ShardSavePlanner(dedup_save_to_lowest_rank=True)
+    with pytest.raises(InvalidRequestError, match="enable_plan_caching=True and cache_plans=False .* are the same switch"):
+        ShardSavePlanner(enable_plan_caching=True, cache_plans=False)
+    assert ShardSavePlanner(enable_plan_caching=True).cache_plans is True
+
+
+def test_other_values_of_the_wrong_kind_are_refused_by_name(tmp_path):
+    """A report callback that is not callable warned with a traceback on every later save
+    and load; storage_options that are no dict failed inside fsspec without naming them.
+    numpy integers are integers, as stock takes them."""
+    import numpy as np
+
+    from dcp_ext.observe import add_report_callback
+
+    with pytest.raises(InvalidRequestError, match=r"add_report_callback\(fn\) needs a callable, got 'print'"):
+        add_report_callback("print")
+    with pytest.raises(InvalidRequestError, match="memory://b/ck: storage_options must be a dict"):
+        ShardWriter("memory://b/ck", storage_options="anon=True")
+    assert ShardWriter(tmp_path, thread_count=np.int64(2)).thread_count == 2
+    with pytest.raises(InvalidRequestError, match=r"thread_count=\.\.\.\) must be a positive integer"):
+        ShardWriter(tmp_path, thread_count=np.bool_(True))
