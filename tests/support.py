@@ -10,6 +10,7 @@ storage, object plans for planner tests, and the process's memory.
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -380,3 +381,14 @@ def rss_bytes(field: str = "VmRSS") -> int:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
+
+
+class RunsCode:
+    """Unpickling calls os.system (touching ``canary``): what a hostile checkpoint's bytes
+    item would do."""
+
+    def __init__(self, canary: str):
+        self.canary = canary
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.canary}",)

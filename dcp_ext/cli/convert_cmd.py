@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-uncommitted", action="store_true",
         help="copy a checkpoint without a matching commit marker (a save interrupted after its data files were written)",
     )
+    parser.add_argument(
+        "--allow-unsafe-bytes", action="store_true",
+        help="copy non-tensor items the restricted loader refuses (pickles that may run code): trusted sources only",
+    )
     hf = parser.add_argument_group("--to hf only")
     hf.add_argument("--max-shard-size", metavar="SIZE", help="largest shard, e.g. 5GB (default), 500MB, 2GiB")
     hf.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
@@ -108,8 +112,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"skipped {len(report.skipped)} non-tensor items: {', '.join(report.skipped)}")
         return 0
     report = convert(
-        args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite, require_commit_marker=_commit_marker(args)
+        args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite, require_commit_marker=_commit_marker(args),
+        allow_unsafe_bytes=args.allow_unsafe_bytes,
     )
     bar.close()
     print(f"converted {report.keys} keys ({report.bytes} tensor bytes) from {args.src} to {args.dst}")
+    for name in report.not_copied:
+        print(f"note: {name} (Megatron's common state: args, iteration, ...) is not part of the DCP data and was not "
+              f"copied; read it with dcp_ext.megatron.load_common_state({args.src!r})")
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
+from dcp_ext.megatron.torch_dist import COMMON_PT
+from dcp_ext.runtime.options import flag
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import checking_reader
 from dcp_ext.storage.writer import ShardWriter
@@ -39,6 +41,7 @@ def _check_destination(source: Location, target: Location) -> None:
 class ConvertReport:
     keys: int
     bytes: int
+    not_copied: list[str] = field(default_factory=list)  # source files outside the DCP data (Megatron's common.pt)
 
 
 class _RawBytesLoadPlanner(DefaultLoadPlanner):
@@ -78,17 +81,23 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
     require_commit_marker: bool | None = None,
+    allow_unsafe_bytes: bool = False,
 ) -> ConvertReport:
     """Write every item of ``src`` to a new ShardWriter checkpoint at ``dst``.
 
     ``dst`` must not be ``src`` nor a file; a checkpoint already at ``dst`` is replaced
     only with ``overwrite=True`` (else ``CheckpointExistsError``). ``require_commit_marker``
     is ``ShardReader``'s: False copies a checkpoint whose save was interrupted after its
-    data files were written.
+    data files were written. Bytes items are copied as stored, and first pass the reader's
+    restricted loader unless ``allow_unsafe_bytes=True``: a copy of a pickle that runs code
+    would hand it to stock loaders (DCP's default planner unpickles bytes items).
     """
-    # bytes items are copied as stored, never unpickled here: the reader's check is not needed
     reader = checking_reader(
-        src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True, require_commit_marker=require_commit_marker
+        src,
+        megatron=options,
+        storage_options=storage_options,
+        allow_unsafe_bytes=flag("convert", "allow_unsafe_bytes", allow_unsafe_bytes),
+        require_commit_marker=require_commit_marker,
     )
     metadata = reader.read_metadata()
     entries = metadata.state_dict_metadata
@@ -123,4 +132,4 @@ def convert(
     }
     writer = ShardWriter(dst, thread_count=1, storage_options=storage_options, overwrite=overwrite)
     dcp.save(plan_state, storage_writer=writer, planner=_StreamingSavePlanner(fetch, metadata.planner_data))
-    return ConvertReport(len(entries), total)
+    return ConvertReport(len(entries), total, [COMMON_PT] if reader.location.exists(COMMON_PT) else [])

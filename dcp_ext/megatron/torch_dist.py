@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.faults import shown
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, contiguous_strides, numel
@@ -142,7 +143,14 @@ def _restore_flattened(location: Location, catalog: Catalog, shapes: dict[str, t
         for chunk in _reformulated_md(catalog, key).chunks
     ]
     unknown = [index for index in indices if catalog.known_layout(index) is None]
-    parsed = dict(zip(unknown, catalog.parse_layouts(location, unknown, _PROBE_THREADS)))
+    try:
+        parsed = dict(zip(unknown, catalog.parse_layouts(location, unknown, _PROBE_THREADS)))
+    except FileNotFoundError as exc:  # a bare OSError naming no key, from inside the metadata read
+        raise CheckpointError(
+            f"{catalog.url}: data file {os.path.basename(exc.filename or '?')!r} is missing; it holds records of "
+            "flattened (distributed-optimizer) tensors, whose places are read with the metadata, so no key loads "
+            "without it"
+        ) from None
     layouts = {index: catalog.known_layout(index) or parsed[index] for index in indices}
     entries = dict(metadata.state_dict_metadata)
     items = {index: item for index, item in catalog.items.items() if index.fqn not in shapes}

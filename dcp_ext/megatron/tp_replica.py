@@ -15,6 +15,7 @@ from collections import defaultdict
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.storage.catalog import Catalog
 
@@ -37,6 +38,8 @@ def merge_tp_replica_keys(catalog: Catalog) -> Catalog:
     for key, replicas in groups.items():
         replicas.sort()
         canonical = state[replicas[0][1]]
+        for _, fqn in replicas[1:]:
+            _check_same_tensor(catalog.url, replicas[0][1], canonical, fqn, state[fqn])
         entries[key] = canonical
         for chunk in canonical.chunks:
             index = MetadataIndex(key, chunk.offsets)
@@ -48,3 +51,17 @@ def merge_tp_replica_keys(catalog: Catalog) -> Catalog:
             ]
     metadata = dataclasses.replace(catalog.metadata, state_dict_metadata=entries)
     return catalog.derived(metadata=metadata, items=items, copies=copies)
+
+
+def _check_same_tensor(url: str, canonical_fqn: str, canonical: TensorStorageMetadata, fqn: str, md: TensorStorageMetadata) -> None:
+    """Copies of one tensor have its dtype, shape and chunks: a copy that differs would be
+    read with the canonical replica's layout (another dtype's bytes taken as its values)."""
+    def facts(entry: TensorStorageMetadata) -> tuple:
+        return entry.properties.dtype, tuple(entry.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+
+    if facts(md) != facts(canonical):
+        raise CorruptCheckpointError(
+            f"{url}: TP-replica keys disagree: {fqn!r} is {md.properties.dtype} {list(md.size)} in "
+            f"{len(md.chunks)} chunk(s), {canonical_fqn!r} is {canonical.properties.dtype} {list(canonical.size)} in "
+            f"{len(canonical.chunks)} chunk(s); copies of one tensor must match"
+        )

@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.location import Location
 
 ZARRAY = ".zarray"
+CHUNK_NAME = re.compile(r"[0-9]+(\.[0-9]+)*")  # a chunk file's name ("0.1"; "/"-separated chunks nest)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ def find_entries(location: Location) -> tuple[dict[str, int], list[str]]:
             parent = posixpath.dirname(parent)
         if parent and not posixpath.basename(name).startswith("."):  # not .zarray, .zattrs
             arrays[parent] += 1
+        elif not parent and "/" in name and CHUNK_NAME.fullmatch(posixpath.basename(name)):
+            array = "/".join(itertools.takewhile(lambda part: not CHUNK_NAME.fullmatch(part), name.split("/")))
+            raise CorruptCheckpointError(
+                f"{location.url}/{array}: holds zarr chunk files ({name!r}) but no {ZARRAY}: the array's metadata "
+                "is missing, and without it the tensor cannot be read"
+            )
     objects = sorted(n for n in names if n.endswith(".pt") and "/" in n and n != COMMON_PT)
     return arrays, objects
 

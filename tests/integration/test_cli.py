@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_ext.formats.index import INDEX_NAME
 
-from support import assert_state_dict_equal, load, sample_state, save
+from support import RunsCode, assert_state_dict_equal, load, sample_state, save
 
 
 def dcp_ext_cli(*args: str) -> subprocess.CompletedProcess:
@@ -107,6 +107,8 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     truncated = tmp_path / "truncated"  # convert loads inside its save: the error comes wrapped twice
     save(sample_state(), truncated)
     os.truncate(next(truncated.glob("*.distcp")), 100)
+    hostile = tmp_path / "hostile"  # a copy would hand the pickle to stock loaders, which run it
+    dcp.save({"w": torch.ones(2), "x": RunsCode(str(tmp_path / "ran"))}, storage_writer=dcp.FileSystemWriter(hostile), no_dist=True)
     damaged = tmp_path / "damaged"  # a copy would carry the damage under fresh checksums
     save({"w": torch.arange(1000.0)}, damaged, thread_count=1)
     data_file = next(damaged.glob("*.distcp"))
@@ -137,6 +139,8 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "convert a truncated checkpoint": (["convert", str(truncated), str(tmp_path / "o7")], "but the file has 100 bytes (truncated?)"),
         "inspect a server that refuses": (["inspect", "https://127.0.0.1:1/ckpt"], "https://127.0.0.1:1/ckpt: the object store failed"),
         "convert into memory://": (["convert", str(ckpt), "memory://ck"], "memory://ck: a memory:// checkpoint lives inside one process"),
+        "convert a checkpoint whose item runs code": (
+            ["convert", str(hostile), str(tmp_path / "o11")], "key 'x': refuses to unpickle posix.system"),
         "convert --iteration ²": (["convert", str(ckpt), str(tmp_path / "o8"), "--iteration=²"], "--iteration '²' is neither"),
         "convert a damaged checkpoint": (["convert", str(damaged), str(tmp_path / "o9")], "key 'w': crc32c mismatch"),
         "convert --to hf a damaged checkpoint": (
@@ -150,7 +154,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "convert --iteration of a DCP checkpoint", "convert --partition-dim not a regex", "convert --to hf --include not a regex",
     "inspect an unknown URL scheme", "convert into /proc", "convert a truncated checkpoint", "convert --iteration ²",
     "convert a damaged checkpoint", "convert --to hf a damaged checkpoint", "inspect a server that refuses",
-    "convert into memory://",
+    "convert into memory://", "convert a checkpoint whose item runs code",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main
@@ -159,6 +163,7 @@ def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "ran").exists()
 
 
 def test_verify_of_a_file_or_a_metadata_directory_fails_in_one_fault(tmp_path, capsys):
@@ -240,3 +245,14 @@ def test_an_object_store_that_does_not_answer_ends_in_one_error_line(tmp_path):
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1, result.stderr
     assert err[0].startswith("error: s3://bucket/ckpt: the object store failed (EndpointConnectionError: Could not connect"), err
+
+
+def test_convert_copies_refused_items_only_when_told(tmp_path, capsys):
+    """--allow-unsafe-bytes copies such an item as stored: convert itself never unpickles it."""
+    from dcp_ext.cli.main import main
+
+    src = tmp_path / "hostile"
+    dcp.save({"w": torch.ones(2), "x": RunsCode(str(tmp_path / "ran"))}, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    assert main(["convert", str(src), str(tmp_path / "copy"), "--allow-unsafe-bytes"]) == 0
+    assert not (tmp_path / "ran").exists()
+    assert (tmp_path / "copy" / ".metadata").exists()

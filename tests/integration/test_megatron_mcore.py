@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_ext import ShardLoadPlanner, ShardReader
+from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader
 from dcp_ext.cli.main import main as cli
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.megatron import load_common_state
@@ -101,6 +101,7 @@ def test_cli_inspect_verify_convert(tmp_path, capsys, name):
     assert cli(["verify", str(ckpt)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("OK:")
     assert cli(["convert", str(ckpt), str(tmp_path / "ours")]) == 0
+    assert ("note: common.pt (Megatron's common state" in capsys.readouterr().out) == (ckpt / "common.pt").exists()
     assert cli(["verify", str(tmp_path / "ours")]) == 0
     state = {k: garbage_like(v) for k, v in tensors.items()}
     dcp.load(state, storage_reader=ShardReader(tmp_path / "ours"), planner=ShardLoadPlanner())
@@ -129,6 +130,20 @@ def test_flattened_range_optimizer_state_restored_to_global_shapes(name):
     assert len(flattened) >= 20 and all(k.startswith("optimizer.state.") for k in flattened)
     metadata = ShardReader(MEGATRON_FIXTURES / name).read_metadata()
     assert all(tuple(metadata.state_dict_metadata[k].size) == tuple(tensors[k].shape) for k in flattened)
+
+
+def test_a_missing_file_of_flattened_records_is_named(tmp_path):
+    """Flattened tensors' places are read from their records with the metadata: a missing
+    data file raised a bare FileNotFoundError naming no checkpoint, and `verify` stopped
+    with exit 2 instead of a FAULT line."""
+    import shutil
+
+    ckpt = tmp_path / "distopt"
+    shutil.copytree(MEGATRON_FIXTURES / "mcore015_tp2_dp2_distopt", ckpt)
+    (ckpt / "__3_1.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"distopt: data file '__3_1.distcp' is missing; it holds records of flattened"):
+        ShardReader(ckpt).read_metadata()
+    assert cli(["verify", str(ckpt)]) == 1
 
 
 def test_common_state_object_without_common_pt():

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader
+from dcp_ext.errors import CorruptCheckpointError
 
 from mp import run_job
 from support import assert_tensor_equal, garbage_like
@@ -26,10 +27,12 @@ NORM = torch.linspace(-1, 1, 16)
 WEIGHT = torch.arange(64.0).reshape(8, 8)
 
 
-def _megatron_style_save(rank: int, world: int, path: str) -> None:
-    """What a Megatron locality save looks like on disk: stock DCP files, one replica per TP rank."""
+def _megatron_style_save(rank: int, world: int, path: str, rank1_norm: torch.Tensor | None = None) -> None:
+    """What a Megatron locality save looks like on disk: stock DCP files, one replica per TP
+    rank (``rank1_norm``: rank 1's replica is another tensor)."""
     mesh = init_device_mesh("cpu", (world,))
-    state = {f"norm.weight.__tp_replica_{rank}": NORM.clone(), "w": distribute_tensor(WEIGHT, mesh, [Shard(0)])}
+    norm = rank1_norm if rank == 1 and rank1_norm is not None else NORM.clone()
+    state = {f"norm.weight.__tp_replica_{rank}": norm, "w": distribute_tensor(WEIGHT, mesh, [Shard(0)])}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
     dist.barrier()
     if rank == 0:
@@ -104,3 +107,12 @@ def test_postfixed_replicas_load_from_each_ranks_own_file(tmp_path):
     assert reader.catalog.fingerprint == crc32c.crc32c((tmp_path / ".metadata").read_bytes())
     assert run_job(_load_plain_key, 2, str(tmp_path)) == [1, 1]  # own file only
     assert run_job(_load_plain_key, 1, str(tmp_path)) == [2]  # TP degree changed: any replica
+
+
+@pytest.mark.parametrize("rank1_norm", [NORM.to(torch.bfloat16), torch.arange(32.0)], ids=["dtype", "shape"])
+def test_replicas_that_are_not_copies_of_one_tensor_are_refused(tmp_path, rank1_norm):
+    """A bf16 replica beside an fp32 one was read with the fp32 layout (its bytes, and 16
+    bytes past its end, taken as values) and a longer one was cut: silently, verify said OK."""
+    run_job(_megatron_style_save, 2, str(tmp_path), rank1_norm)
+    with pytest.raises(CorruptCheckpointError, match=r"TP-replica keys disagree: 'norm.weight.__tp_replica_1' is torch"):
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()

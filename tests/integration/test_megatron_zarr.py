@@ -128,3 +128,13 @@ def test_malformed_zarray_is_corruption_naming_the_file(tmp_path, text, message)
     with pytest.raises(CorruptCheckpointError, match=message) as err:
         ShardReader(root).read_metadata()
     assert str(err.value).startswith(f"{root}/{EMB}/.zarray: ")
+
+
+def test_an_array_that_lost_its_zarray_is_named_not_dropped(tmp_path):
+    """Arrays are found by their .zarray: without it, the tensor vanished from the
+    checkpoint (verify said OK, convert copied one key fewer)."""
+    ckpt = tmp_path / "zarr"
+    shutil.copytree(ZARR_FIXTURE, ckpt)
+    os.remove(ckpt / "embedding.word_embeddings.weight" / ".zarray")
+    with pytest.raises(CorruptCheckpointError, match=r"embedding.word_embeddings.weight: holds zarr chunk files .* but no .zarray"):
+        ShardReader(ckpt).read_metadata()

@@ -10,7 +10,6 @@ on a torch_dist, zarr or plain DCP checkpoint was accepted and ignored.
 from __future__ import annotations
 
 import io
-import os
 import re
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from dcp_ext.conversion.hf_export import export_safetensors
 from dcp_ext.megatron import MegatronOptions
 
 from megatron_fixtures import write_legacy
-from support import save
+from support import RunsCode, save
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TORCH_DIST = FIXTURES / "megatron" / "mcore016_tp2_dp2_ep2"
@@ -76,16 +75,6 @@ def test_a_planner_option_of_the_wrong_kind_is_refused_by_name(make, option, val
         make(**kwargs)
 
 
-class _RunsCode:
-    """Unpickling calls os.system: what a hostile checkpoint's bytes item would do."""
-
-    def __init__(self, canary: str):
-        self.canary = canary
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.canary}",)
-
-
 @pytest.mark.parametrize("make", [ShardWriter, ShardReader])
 @pytest.mark.parametrize("path", [None, "", 3])
 def test_a_checkpoint_that_is_no_path_is_refused_by_name(make, path):
@@ -99,7 +88,7 @@ def test_a_string_false_never_opens_the_unsafe_path(tmp_path):
     unpickling either: ``ShardLoadPlanner(allow_unsafe_bytes="false")`` is refused."""
     canary = tmp_path / "canary"
     data = io.BytesIO()
-    torch.save(_RunsCode(str(canary)), data)
+    torch.save(RunsCode(str(canary)), data)
     dcp.save({"evil": io.BytesIO(data.getvalue())}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"))
     with pytest.raises(InvalidRequestError, match="allow_unsafe_bytes"):
         ShardLoadPlanner(allow_unsafe_bytes="false")
