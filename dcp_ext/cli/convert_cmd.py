@@ -97,6 +97,8 @@ def main(args: argparse.Namespace) -> int:
         given = [f"--{name.replace('_', '-')}" for name in _HF_ONLY if getattr(args, name) is not None]
         if given:
             raise InvalidRequestError(f"{', '.join(given)} only apply with --to hf")
+    elif args.allow_unsafe_bytes:
+        raise InvalidRequestError("--allow-unsafe-bytes only applies with --to dcp (an export holds tensors alone)")
     if args.dst.startswith("memory://"):
         raise InvalidRequestError(f"{args.dst}: a memory:// checkpoint lives inside one process; this one would end with dcp-ext")
     bar = ProgressBar("converting")

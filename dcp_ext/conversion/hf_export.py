@@ -86,7 +86,7 @@ def export_safetensors(
     index) and keeps every other file there (``config.json``, tokenizer files), as
     ``save_pretrained`` does. ``require_commit_marker`` is ``ShardReader``'s.
     """
-    options.positive_int("export_safetensors", "max_shard_bytes", max_shard_bytes)
+    max_shard_bytes = options.positive_int("export_safetensors", "max_shard_bytes", max_shard_bytes)
     options.flag("export_safetensors", "overwrite", overwrite)
     options.callback("export_safetensors", "progress", progress)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

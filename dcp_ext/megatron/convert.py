@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem
 
 from dcp_ext.errors import InvalidRequestError
+from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.torch_dist import COMMON_PT
@@ -35,6 +36,9 @@ def _check_destination(source: Location, target: Location) -> None:
         raise InvalidRequestError(f"{target.url}: is the source checkpoint; convert into another directory")
     if target.is_local and os.path.isfile(target.root):
         raise InvalidRequestError(f"{target.url}: is a file; the destination must be a directory")
+
+
+UNSAFE_OPT_OUT = "convert(allow_unsafe_bytes=True) (dcp-ext convert --allow-unsafe-bytes)"
 
 
 @dataclass
@@ -92,12 +96,10 @@ def convert(
     restricted loader unless ``allow_unsafe_bytes=True``: a copy of a pickle that runs code
     would hand it to stock loaders (DCP's default planner unpickles bytes items).
     """
+    flag("convert", "allow_unsafe_bytes", allow_unsafe_bytes)
+    # bytes items are checked below with convert's own opt-out named, then copied as stored
     reader = checking_reader(
-        src,
-        megatron=options,
-        storage_options=storage_options,
-        allow_unsafe_bytes=flag("convert", "allow_unsafe_bytes", allow_unsafe_bytes),
-        require_commit_marker=require_commit_marker,
+        src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True, require_commit_marker=require_commit_marker
     )
     metadata = reader.read_metadata()
     entries = metadata.state_dict_metadata
@@ -124,6 +126,11 @@ def convert(
             progress(done, total)
         return value
 
+    if not allow_unsafe_bytes:
+        for fqn, md in entries.items():
+            if not isinstance(md, TensorStorageMetadata):
+                item = fetch(fqn)
+                safe_load_bytes(item.getvalue(), f"{reader.location.url}: key {fqn!r}", UNSAFE_OPT_OUT)
     plan_state = {
         fqn: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
         if isinstance(md, TensorStorageMetadata)

@@ -10,15 +10,16 @@ own file (the same TP layout) and from any replica when the TP degree changed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections import defaultdict
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.storage.catalog import Catalog
 
+log = logging.getLogger("dcp_ext")
 TP_REPLICA_KEY = re.compile(r"^(?P<key>.+)\.__tp_replica_(?P<rank>\d+)$")
 
 
@@ -38,30 +39,27 @@ def merge_tp_replica_keys(catalog: Catalog) -> Catalog:
     for key, replicas in groups.items():
         replicas.sort()
         canonical = state[replicas[0][1]]
-        for _, fqn in replicas[1:]:
-            _check_same_tensor(catalog.url, replicas[0][1], canonical, fqn, state[fqn])
+        if any(not _same_tensor(canonical, state[fqn]) for _, fqn in replicas[1:]):
+            shown = ", ".join(f"{fqn}: {state[fqn].properties.dtype} {list(state[fqn].size)}" for _, fqn in replicas)
+            log.warning("%s: TP-replica keys of %r disagree (%s); only the postfixed keys load", catalog.url, key, shown)
+            continue
         entries[key] = canonical
+        others = [(fqn, _chunk_sizes(state[fqn])) for _, fqn in replicas[1:]]
         for chunk in canonical.chunks:
             index = MetadataIndex(key, chunk.offsets)
             items[index] = catalog.items[MetadataIndex(replicas[0][1], chunk.offsets)]
-            copies[index] = [
-                catalog.items[MetadataIndex(fqn, chunk.offsets)]
-                for _, fqn in replicas[1:]
-                if MetadataIndex(fqn, chunk.offsets) in catalog.items
+            copies[index] = [  # a replica chunked otherwise keeps its own key only
+                catalog.items[MetadataIndex(fqn, chunk.offsets)] for fqn, sizes in others if sizes.get(tuple(chunk.offsets)) == tuple(chunk.sizes)
             ]
     metadata = dataclasses.replace(catalog.metadata, state_dict_metadata=entries)
     return catalog.derived(metadata=metadata, items=items, copies=copies)
 
 
-def _check_same_tensor(url: str, canonical_fqn: str, canonical: TensorStorageMetadata, fqn: str, md: TensorStorageMetadata) -> None:
-    """Copies of one tensor have its dtype, shape and chunks: a copy that differs would be
-    read with the canonical replica's layout (another dtype's bytes taken as its values)."""
-    def facts(entry: TensorStorageMetadata) -> tuple:
-        return entry.properties.dtype, tuple(entry.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+def _same_tensor(canonical: TensorStorageMetadata, md: TensorStorageMetadata) -> bool:
+    """Copies of one tensor have its dtype and shape: a copy that differs would be read
+    with the canonical replica's layout (another dtype's bytes taken as its values)."""
+    return md.properties.dtype == canonical.properties.dtype and tuple(md.size) == tuple(canonical.size)
 
-    if facts(md) != facts(canonical):
-        raise CorruptCheckpointError(
-            f"{url}: TP-replica keys disagree: {fqn!r} is {md.properties.dtype} {list(md.size)} in "
-            f"{len(md.chunks)} chunk(s), {canonical_fqn!r} is {canonical.properties.dtype} {list(canonical.size)} in "
-            f"{len(canonical.chunks)} chunk(s); copies of one tensor must match"
-        )
+
+def _chunk_sizes(md: TensorStorageMetadata) -> dict[tuple[int, ...], tuple[int, ...]]:
+    return {tuple(chunk.offsets): tuple(chunk.sizes) for chunk in md.chunks}

@@ -68,7 +68,7 @@ def find_entries(location: Location) -> tuple[dict[str, int], list[str]]:
             parent = posixpath.dirname(parent)
         if parent and not posixpath.basename(name).startswith("."):  # not .zarray, .zattrs
             arrays[parent] += 1
-        elif not parent and "/" in name and CHUNK_NAME.fullmatch(posixpath.basename(name)):
+        elif not parent and "/" in name and not name.startswith(".") and CHUNK_NAME.fullmatch(posixpath.basename(name)):
             array = "/".join(itertools.takewhile(lambda part: not CHUNK_NAME.fullmatch(part), name.split("/")))
             raise CorruptCheckpointError(
                 f"{location.url}/{array}: holds zarr chunk files ({name!r}) but no {ZARRAY}: the array's metadata "

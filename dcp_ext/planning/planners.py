@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
 import math
 import numbers
@@ -46,6 +47,19 @@ from dcp_ext.storage.piece_digests import PieceDigest
 from dcp_ext.storage.save_tracking import SaveOrder
 
 
+def _stock_save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords with ``DefaultSavePlanner``'s positional arguments named (checked by
+    name: passed by position they went past the checks)."""
+    names = list(inspect.signature(DefaultSavePlanner.__init__).parameters)[1:]  # after self
+    if len(args) > len(names):
+        raise InvalidRequestError(f"ShardSavePlanner takes at most {len(names)} positional arguments ({', '.join(names)})")
+    given = dict(zip(names, args))
+    twice = sorted(set(given) & set(kwargs))
+    if twice:
+        raise InvalidRequestError(f"ShardSavePlanner: {', '.join(twice)} given by position and by name")
+    return {**given, **kwargs}
+
+
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
     """DefaultSavePlanner's local plans, planned globally as columns (``global_plan``):
     replicated items balanced by bytes across their holders, partially overlapping chunks
@@ -87,6 +101,9 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             raise InvalidRequestError(f"ShardSavePlanner(tp_dim=...) must be a mesh dimension name or None, got {tp_dim!r}")
         if tp_dim is not None and not replica_locality:
             raise InvalidRequestError("ShardSavePlanner: tp_dim only applies with replica_locality=True")
+        # DefaultSavePlanner's own options by name, however they were passed
+        kwargs = _stock_save_options(args, kwargs)
+        args = ()
         alias = kwargs.pop("enable_plan_caching", None)  # DCP's name for the same switch
         if alias is not None and options.flag("ShardSavePlanner", "enable_plan_caching", alias) != cache_plans:
             raise InvalidRequestError(
@@ -95,8 +112,9 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             )
         if kwargs.get("dedup_save_to_lowest_rank"):
             raise InvalidRequestError(
-                "ShardSavePlanner(dedup_save_to_lowest_rank=True): this planner spreads replicated items over the ranks "
-                "that hold them (by bytes), so it cannot take effect; use DefaultSavePlanner for that policy"
+                f"ShardSavePlanner(dedup_save_to_lowest_rank={kwargs['dedup_save_to_lowest_rank']!r}): this planner "
+                "spreads replicated items over the ranks that hold them (by bytes), so it cannot take effect; use "
+                "DefaultSavePlanner for that policy"
             )
         if group is not None and not cache_plans:
             raise InvalidRequestError("ShardSavePlanner: group= only applies with cache_plans=True (it runs the digest exchange)")

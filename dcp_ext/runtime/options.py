@@ -4,7 +4,6 @@ is a non-empty string: truthy, so it would turn a safety check off)."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
@@ -23,13 +22,8 @@ def flag(owner: str, name: str, value: Any, *, optional: bool = False) -> Any:
 def positive_int(owner: str, name: str, value: Any) -> int:
     """``value`` as an int if it is an integer of at least 1 (a numpy integer too, as stock
     takes them; not a bool); else InvalidRequestError."""
-    if not isinstance(value, (bool, np.bool_)):
-        try:
-            number = operator.index(value)
-        except TypeError:
-            number = 0
-        if number >= 1:
-            return number
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1:
+        return int(value)
     raise InvalidRequestError(f"{owner}({name}=...) must be a positive integer, got {value!r}")
 
 

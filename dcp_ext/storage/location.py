@@ -431,6 +431,8 @@ class FsspecLocation(Location):
             fs, root = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
         except (ValueError, ImportError) as exc:  # an unknown scheme, or its fsspec backend is not installed
             raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({exc})") from None
+        except TypeError as exc:  # storage_options its filesystem does not take
+            raise InvalidRequestError(f"{os.fspath(path)}: storage_options {storage_options!r} ({exc})") from None
         self.fs: fsspec.AbstractFileSystem = fs
         self.root = root.rstrip("/") or root
         self.url = fs.unstrip_protocol(self.root)

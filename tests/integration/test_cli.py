@@ -141,6 +141,10 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "convert into memory://": (["convert", str(ckpt), "memory://ck"], "memory://ck: a memory:// checkpoint lives inside one process"),
         "convert a checkpoint whose item runs code": (
             ["convert", str(hostile), str(tmp_path / "o11")], "key 'x': refuses to unpickle posix.system"),
+        "convert a checkpoint whose item runs code: the opt-out named": (
+            ["convert", str(hostile), str(tmp_path / "o12")], "or pass convert(allow_unsafe_bytes=True) (dcp-ext convert --allow-unsafe-bytes)"),
+        "convert --to hf --allow-unsafe-bytes": (
+            ["convert", str(ckpt), str(tmp_path / "o13"), "--to", "hf", "--allow-unsafe-bytes"], "--allow-unsafe-bytes only applies with --to dcp"),
         "convert --iteration ²": (["convert", str(ckpt), str(tmp_path / "o8"), "--iteration=²"], "--iteration '²' is neither"),
         "convert a damaged checkpoint": (["convert", str(damaged), str(tmp_path / "o9")], "key 'w': crc32c mismatch"),
         "convert --to hf a damaged checkpoint": (
@@ -155,6 +159,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "inspect an unknown URL scheme", "convert into /proc", "convert a truncated checkpoint", "convert --iteration ²",
     "convert a damaged checkpoint", "convert --to hf a damaged checkpoint", "inspect a server that refuses",
     "convert into memory://", "convert a checkpoint whose item runs code",
+    "convert a checkpoint whose item runs code: the opt-out named", "convert --to hf --allow-unsafe-bytes",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main

@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader
-from dcp_ext.errors import CorruptCheckpointError
 
 from mp import run_job
 from support import assert_tensor_equal, garbage_like
@@ -110,9 +109,17 @@ def test_postfixed_replicas_load_from_each_ranks_own_file(tmp_path):
 
 
 @pytest.mark.parametrize("rank1_norm", [NORM.to(torch.bfloat16), torch.arange(32.0)], ids=["dtype", "shape"])
-def test_replicas_that_are_not_copies_of_one_tensor_are_refused(tmp_path, rank1_norm):
+def test_replicas_that_are_not_copies_of_one_tensor_are_not_merged(tmp_path, caplog, rank1_norm):
     """A bf16 replica beside an fp32 one was read with the fp32 layout (its bytes, and 16
-    bytes past its end, taken as values) and a longer one was cut: silently, verify said OK."""
+    bytes past its end, taken as values) and a longer one was cut: silently, verify said OK.
+    Now the plain key is not served (a warning names the replicas); the postfixed keys and
+    every other key still load, as with stock."""
     run_job(_megatron_style_save, 2, str(tmp_path), rank1_norm)
-    with pytest.raises(CorruptCheckpointError, match=r"TP-replica keys disagree: 'norm.weight.__tp_replica_1' is torch"):
-        ShardReader(tmp_path, cache_metadata=False).read_metadata()
+    with caplog.at_level("WARNING", logger="dcp_ext"):
+        entries = ShardReader(tmp_path, cache_metadata=False).read_metadata().state_dict_metadata
+    assert "norm.weight" not in entries and "norm.weight.__tp_replica_1" in entries
+    assert "TP-replica keys of 'norm.weight' disagree" in caplog.text
+    state = {"norm.weight.__tp_replica_1": garbage_like(rank1_norm), "w": garbage_like(WEIGHT)}
+    dcp.load(state, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    assert_tensor_equal(state["norm.weight.__tp_replica_1"], rank1_norm, "replica 1")
+    assert_tensor_equal(state["w"], WEIGHT, "w")

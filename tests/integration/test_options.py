@@ -189,6 +189,8 @@ def test_stock_planner_options_that_cannot_take_effect_are_refused():
     replicas over ranks); ``enable_plan_caching`` overrode ``cache_plans=False``."""
     with pytest.raises(InvalidRequestError, match=r"dedup_save_to_lowest_rank=True\): this planner spreads"):
         ShardSavePlanner(dedup_save_to_lowest_rank=True)
+    with pytest.raises(InvalidRequestError, match=r"dedup_save_to_lowest_rank=True\): this planner spreads"):
+        ShardSavePlanner(True, True, None, True)  # DefaultSavePlanner's positional order
     with pytest.raises(InvalidRequestError, match="enable_plan_caching=True and cache_plans=False .* are the same switch"):
         ShardSavePlanner(enable_plan_caching=True, cache_plans=False)
     assert ShardSavePlanner(enable_plan_caching=True).cache_plans is True
