@@ -288,6 +288,16 @@ def _is_symlink(path: str) -> bool:
         return False
 
 
+def _readable_roots(real_root: str) -> list[str]:
+    """Where a checkpoint's names may resolve: inside it, and for a huggingface_hub cache
+    snapshot (``models--org--name/snapshots/<revision>``, whose files are symlinks to
+    ``../../blobs/<hash>``, as ``from_pretrained`` downloads them) its repository's blobs."""
+    snapshots = os.path.dirname(real_root)
+    if os.path.basename(snapshots) != "snapshots":
+        return [real_root]
+    return [real_root, os.path.join(os.path.dirname(snapshots), "blobs")]
+
+
 class LocalLocation(Location):
     is_local = True
 
@@ -308,7 +318,7 @@ class LocalLocation(Location):
             return full  # an entry of the directory itself, not a link: inside it wherever the root resolves
         real_root = os.path.realpath(self.root)
         real = os.path.realpath(full)
-        if os.path.commonpath([real_root, real]) != real_root:
+        if not any(os.path.commonpath([inside, real]) == inside for inside in _readable_roots(real_root)):
             raise UnsafeCheckpointError(
                 f"{self.url}: {name!r}{f' (key {key!r})' if key else ''} resolves to {real}, outside the checkpoint directory"
             )

@@ -249,3 +249,14 @@ def test_a_directory_with_neither_metadata_nor_safetensors_is_no_checkpoint(tmp_
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match=r"\.metadata is missing"):
         ShardReader(tmp_path).read_metadata()
+
+
+def test_verify_notes_a_shard_the_index_leaves_out(tmp_path):
+    """Stock HuggingFaceStorageReader reads every *.safetensors file, the index ignored:
+    a stray shard could give it other data than ours, and verify said a plain OK."""
+    from dcp_ext.storage.verify import verify_checkpoint
+
+    write("huggingface_hub", str(tmp_path))
+    save_file({"extra": torch.ones(3)}, tmp_path / "model-00099-of-00099.safetensors")
+    report = verify_checkpoint(str(tmp_path))
+    assert report.ok and report.unreferenced_files == ["model-00099-of-00099.safetensors"]

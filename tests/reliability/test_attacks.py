@@ -687,3 +687,26 @@ def test_an_unvouched_index_must_agree_with_the_metadata(tmp_path, column, chang
     _without_marker_then(tmp_path, move)
     with pytest.raises(CheckpointError, match=r"the location of key 'w' disagrees with \.metadata"):
         ShardReader(tmp_path, cache_metadata=False).read_metadata()
+
+
+def test_a_huggingface_hub_cache_snapshot_loads_and_other_links_out_do_not(tmp_path):
+    """from_pretrained's downloads live in ``models--org--name/snapshots/<rev>/`` as symlinks
+    to ``../../blobs/<hash>``: every such checkpoint was refused as reaching outside. Only
+    that repository's blobs are let in; a link anywhere else still is refused."""
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    tensors = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    save_file(tensors, blobs / "f3c1")
+    os.symlink("../../blobs/f3c1", snapshot / "model.safetensors")
+    got = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
+    dcp.load(got, storage_reader=ShardReader(snapshot), no_dist=True)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    save_file(tensors, tmp_path / "elsewhere.safetensors")
+    os.replace(snapshot / "model.safetensors", snapshot / "old")
+    os.symlink(tmp_path / "elsewhere.safetensors", snapshot / "model.safetensors")
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
+        ShardReader(snapshot, cache_metadata=False).read_metadata()
