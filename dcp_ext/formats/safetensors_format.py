@@ -41,6 +41,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
     torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.float8_e8m0fnu: "F8_E8M0",  # MX scales
     torch.complex64: "C64",
 }
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -123,7 +124,9 @@ def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
     dtype = DTYPES_BY_NAME.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     shape, offsets = info["shape"], info["data_offsets"]
     if dtype is None:
-        raise CorruptCheckpointError(f"{where}: unknown dtype {info['dtype']!r}")
+        raise CorruptCheckpointError(
+            f"{where}: dtype {info['dtype']!r} is none of the safetensors dtypes this reader knows ({', '.join(DTYPES_BY_NAME)})"
+        )
     if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
         raise CorruptCheckpointError(f"{where}: invalid shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
