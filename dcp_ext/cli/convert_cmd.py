@@ -100,7 +100,9 @@ def main(args: argparse.Namespace) -> int:
     elif args.allow_unsafe_bytes:
         raise InvalidRequestError("--allow-unsafe-bytes only applies with --to dcp (an export holds tensors alone)")
     if args.dst.startswith("memory://"):
-        raise InvalidRequestError(f"{args.dst}: a memory:// checkpoint lives inside one process; this one would end with dcp-ext")
+        raise InvalidRequestError(
+            f"{args.dst}: a memory:// checkpoint lives inside one process; this one would end with dcp-ext"
+        )
     bar = ProgressBar("converting")
     if args.to == "hf":
         report = export_safetensors(
@@ -114,8 +116,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"skipped {len(report.skipped)} non-tensor items: {', '.join(report.skipped)}")
         return 0
     report = convert(
-        args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite, require_commit_marker=_commit_marker(args),
-        allow_unsafe_bytes=args.allow_unsafe_bytes,
+        args.src, args.dst, options=options, progress=bar, overwrite=args.overwrite,
+        require_commit_marker=_commit_marker(args), allow_unsafe_bytes=args.allow_unsafe_bytes,
     )
     bar.close()
     print(f"converted {report.keys} keys ({report.bytes} tensor bytes) from {args.src} to {args.dst}")

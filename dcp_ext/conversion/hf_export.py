@@ -97,7 +97,9 @@ def export_safetensors(
         except (TypeError, re.error) as exc:
             raise InvalidRequestError(f"{name}={pattern!r} is not a regular expression ({exc})") from None
     target = _target_dir(dst, overwrite)
-    reader = checking_reader(src, megatron=megatron, storage_options=storage_options, require_commit_marker=require_commit_marker)
+    reader = checking_reader(
+        src, megatron=megatron, storage_options=storage_options, require_commit_marker=require_commit_marker
+    )
     if reader.location.within(Location(target)):  # the export replaces the target directory whole
         raise InvalidRequestError(f"{target}: holds the source checkpoint {reader.location.url}; export into another directory")
     tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude, reader.location.url)
@@ -132,10 +134,14 @@ def _target_dir(dst: str | os.PathLike[str], overwrite: bool) -> str:
         what = "a file" if os.path.isfile(target) else "an existing directory"
         raise InvalidRequestError(f"{target}: is {what}; export into a new directory" + ("" if overwrite else " (or pass overwrite)"))
     if Location(os.getcwd()).within(Location(target)):
-        raise InvalidRequestError(f"{target}: holds the current directory, which the export would move; run it from elsewhere")
+        raise InvalidRequestError(
+            f"{target}: holds the current directory, which the export would move; run it from elsewhere"
+        )
     mount = next(iter(_mount_points(target)), None) if os.path.isdir(target) else None
     if mount is not None:  # the swap cannot move it, and removing the old directory would empty it
-        raise InvalidRequestError(f"{target}: {mount} is a mount point, which the export cannot replace; export into a new directory")
+        raise InvalidRequestError(
+            f"{target}: {mount} is a mount point, which the export cannot replace; export into a new directory"
+        )
     return target
 
 

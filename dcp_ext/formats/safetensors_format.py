@@ -125,7 +125,8 @@ def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
     shape, offsets = info["shape"], info["data_offsets"]
     if dtype is None:
         raise CorruptCheckpointError(
-            f"{where}: dtype {info['dtype']!r} is none of the safetensors dtypes this reader knows ({', '.join(DTYPES_BY_NAME)})"
+            f"{where}: dtype {info['dtype']!r} is none of the safetensors dtypes this reader knows "
+            f"({', '.join(DTYPES_BY_NAME)})"
         )
     if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
         raise CorruptCheckpointError(f"{where}: invalid shape {shape!r}")

@@ -99,7 +99,8 @@ def convert(
     flag("convert", "allow_unsafe_bytes", allow_unsafe_bytes)
     # bytes items are checked below with convert's own opt-out named, then copied as stored
     reader = checking_reader(
-        src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True, require_commit_marker=require_commit_marker
+        src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True,
+        require_commit_marker=require_commit_marker,
     )
     metadata = reader.read_metadata()
     entries = metadata.state_dict_metadata

@@ -49,7 +49,9 @@ def merge_tp_replica_keys(catalog: Catalog) -> Catalog:
             index = MetadataIndex(key, chunk.offsets)
             items[index] = catalog.items[MetadataIndex(replicas[0][1], chunk.offsets)]
             copies[index] = [  # a replica chunked otherwise keeps its own key only
-                catalog.items[MetadataIndex(fqn, chunk.offsets)] for fqn, sizes in others if sizes.get(tuple(chunk.offsets)) == tuple(chunk.sizes)
+                catalog.items[MetadataIndex(fqn, chunk.offsets)]
+                for fqn, sizes in others
+                if sizes.get(tuple(chunk.offsets)) == tuple(chunk.sizes)
             ]
     metadata = dataclasses.replace(catalog.metadata, state_dict_metadata=entries)
     return catalog.derived(metadata=metadata, items=items, copies=copies)

@@ -52,7 +52,9 @@ def _stock_save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
     name: passed by position they went past the checks)."""
     names = list(inspect.signature(DefaultSavePlanner.__init__).parameters)[1:]  # after self
     if len(args) > len(names):
-        raise InvalidRequestError(f"ShardSavePlanner takes at most {len(names)} positional arguments ({', '.join(names)})")
+        raise InvalidRequestError(
+            f"ShardSavePlanner takes at most {len(names)} positional arguments ({', '.join(names)})"
+        )
     given = dict(zip(names, args))
     twice = sorted(set(given) & set(kwargs))
     if twice:
