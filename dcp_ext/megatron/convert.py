@@ -49,10 +49,14 @@ class ConvertReport:
 
 
 class _RawBytesLoadPlanner(DefaultLoadPlanner):
-    """Keeps bytes items as the stored bytes instead of unpickling them."""
+    """Keeps bytes items as the stored bytes (by key) instead of unpickling them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: dict[str, bytes] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.raw = value.read()
+        self.raw[read_item.dest_index.fqn] = value.read()
 
 
 class _StreamingSavePlanner(DefaultSavePlanner):
@@ -110,6 +114,13 @@ def convert(
         for fqn, md in entries.items()
     }
     total, done = sum(sizes.values()), 0
+    # every bytes item in one load, checked before anything is written, then held until written
+    raw_planner = _RawBytesLoadPlanner()
+    dcp.load({fqn: None for fqn, md in entries.items() if not isinstance(md, TensorStorageMetadata)},
+             storage_reader=reader, planner=raw_planner)
+    if not allow_unsafe_bytes:
+        for fqn, data in raw_planner.raw.items():
+            safe_load_bytes(data, f"{reader.location.url}: key {fqn!r}", UNSAFE_OPT_OUT)
 
     def fetch(fqn: str) -> torch.Tensor | io.BytesIO:
         nonlocal done
@@ -119,19 +130,12 @@ def convert(
             dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner())
             value: torch.Tensor | io.BytesIO = state[fqn]
         else:
-            planner = _RawBytesLoadPlanner()
-            dcp.load({fqn: None}, storage_reader=reader, planner=planner)
-            value = io.BytesIO(planner.raw)
+            value = io.BytesIO(raw_planner.raw.pop(fqn))
         done += sizes[fqn]
         if progress is not None:
             progress(done, total)
         return value
 
-    if not allow_unsafe_bytes:
-        for fqn, md in entries.items():
-            if not isinstance(md, TensorStorageMetadata):
-                item = fetch(fqn)
-                safe_load_bytes(item.getvalue(), f"{reader.location.url}: key {fqn!r}", UNSAFE_OPT_OUT)
     plan_state = {
         fqn: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
         if isinstance(md, TensorStorageMetadata)
