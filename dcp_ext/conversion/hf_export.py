@@ -20,7 +20,6 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,7 @@ from dcp_ext.formats.safetensors_format import METADATA_KEY, encode_header
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.runtime import options
+from dcp_ext.runtime.threads import StartedPool
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import ShardReader, checking_reader
 
@@ -205,7 +205,7 @@ def _write_shards(reader: ShardReader, directory: Location, names: list[str], sh
 def _loaded_batches(reader: ShardReader, batches: list[list[_Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
     """The batches' tensors in order; each batch loads on a helper thread while the one
     before it is written, so reads and writes overlap."""
-    with ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-export") as pool:
+    with StartedPool(1, "dcp_ext-export") as pool:
         pending = [pool.submit(_load_batch, reader, batches[0])] if batches else []
         for i in range(len(batches)):
             state = pending.pop().result()

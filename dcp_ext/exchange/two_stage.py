@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from dcp_ext.errors import CheckpointError
 from dcp_ext.observe import PhaseClock
+from dcp_ext.runtime.threads import StartedPool
 from dcp_ext.storage.executors import LoadIdentity, ReadSettings, file_tasks, register_executor, task_limit
 from dcp_ext.storage.read_plan import Request
 
@@ -183,7 +183,7 @@ class TwoStageExchange:
         # failure is shared there, like a read error; after the last batch every rank goes on
         # to dcp.load's own gather, which reports it everywhere.
         fill_failure: Exception | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix="dcp_ext-prefetch") as prefetch:
+        with StartedPool(1, "dcp_ext-prefetch") as prefetch:
             pending = prefetch.submit(self._read, segments, batches[0]) if batches else None
             for position, batch in enumerate(batches):
                 buffers, read, error = pending.result()
@@ -225,7 +225,7 @@ class TwoStageExchange:
 
         tasks = list(file_tasks([segments[n] for n in mine], task_limit(position, self.thread_count)))
         try:
-            with ThreadPoolExecutor(max(1, min(self.thread_count, len(tasks)))) as pool:
+            with StartedPool(max(1, min(self.thread_count, len(tasks))), "dcp_ext-read") as pool:
                 return buffers, sum(pool.map(read, tasks)), None
         except Exception as exc:  # shared with every rank below, then raised everywhere
             return buffers, 0, _describe(exc)

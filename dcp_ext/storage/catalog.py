@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, contiguous_strides, numel
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
 from dcp_ext.runtime.lru import Lru, clear_caches
+from dcp_ext.runtime.threads import StartedPool, in_background
 from dcp_ext.storage.location import Location, RangeReader
 
 METADATA_NAME = ".metadata"
@@ -171,7 +172,7 @@ class Catalog:
                 return [self._parse_layout(reader, records, index) for index in files[path]]
 
         if threads > 1 and len(files) > 1:
-            with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="dcp_ext-probe") as pool:
+            with StartedPool(min(threads, len(files)), "dcp_ext-probe") as pool:
                 parsed = list(pool.map(parse_file, files))
         else:
             parsed = [parse_file(path) for path in files]
@@ -288,7 +289,7 @@ def read_catalog_inputs(location: Location) -> CatalogInputs:
     else:
         metadata = _committed_metadata(location, marker_bytes, signature[0])
         if metadata is None:
-            metadata = _in_background(lambda: _MetadataFile.read(location, keep_bytes=False), "dcp_ext-metadata-crc")
+            metadata = in_background(lambda: _MetadataFile.read(location, keep_bytes=False), "dcp_ext-metadata-crc")
     return CatalogInputs(signature, index_bytes, metadata, marker_bytes)
 
 
@@ -312,20 +313,6 @@ def stored_metadata_facts(location: Location) -> tuple[int, int]:
     """Size and CRC32C of ``.metadata`` as stored, read through (``dcp-ext verify``: a
     load trusts the commit marker's stamp instead)."""
     return _MetadataFile.read(location, keep_bytes=False).facts
-
-
-def _in_background(work: Callable[[], Any], name: str) -> Future[Any]:
-    """``work()`` on a new daemon thread, its result or exception in the future."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as exc:  # handed to whoever waits on the future
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 def read_catalog(location: Location) -> Catalog:

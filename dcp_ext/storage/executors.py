@@ -12,13 +12,14 @@ go through host staging buffers (``device_staging``) in ``ScatterReads``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
 from typing import Any, Protocol, TypeVar
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.runtime.threads import StartedPool
 from dcp_ext.storage.device_staging import STAGING_BUFFER_BYTES, STAGING_BUFFERS, DeviceStaging
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
@@ -104,7 +105,7 @@ class ScatterReads:
             raise planning_error
         self.staging = None
         limit = task_limit(expected_bytes, self.settings.thread_count)
-        pool = ThreadPoolExecutor(self.settings.thread_count, thread_name_prefix="dcp_ext-read")
+        pool = StartedPool(self.settings.thread_count, "dcp_ext-read")
         futures: list[Future[int]] = []
         files: set[str] = set()
         try:

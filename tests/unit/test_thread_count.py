@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
 
 from dcp_ext import ShardReader, ShardWriter
 from dcp_ext.errors import InvalidRequestError
-from dcp_ext.runtime.threads import MAX_THREADS, MIN_THREADS, io_thread_count
+from dcp_ext.runtime.threads import MAX_THREADS, MIN_THREADS, StartedPool, io_thread_count
 
 
 def test_rule_shares_the_cores_among_the_ranks_of_a_node(monkeypatch) -> None:
@@ -30,3 +33,71 @@ def test_reader_and_writer_use_the_rule_and_refuse_bad_counts(tmp_path) -> None:
             ShardReader(tmp_path, thread_count=bad)
         with pytest.raises(InvalidRequestError, match=r"ShardWriter\(thread_count=...\) must be a positive integer"):
             ShardWriter(tmp_path, thread_count=bad)
+
+
+def _pool_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(f"{name}-")]
+
+
+def test_started_pool_starts_every_thread_before_its_first_task() -> None:
+    """A thread started while the others already read waited ~0.9 ms for the GIL on 2 cores
+    (ThreadPoolExecutor starts one per submit): all start before any work."""
+    pool = StartedPool(3, "test-started")
+    try:
+        assert len(_pool_threads("test-started")) == 3
+        assert [f.result() for f in [pool.submit(pow, 2, n) for n in range(5)]] == [1, 2, 4, 8, 16]
+    finally:
+        pool.shutdown()
+    assert _pool_threads("test-started") == []
+
+
+def test_started_pool_hands_errors_to_the_waiter_and_cancels_what_has_not_started() -> None:
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def work(n: int) -> int:
+        if n == 0:
+            raise ValueError("task 0 failed")
+        gate.wait(10)  # task 1 holds the one thread while the consumer stops
+        ran.append(n)
+        return n
+
+    with StartedPool(1, "test-errors") as pool:
+        results = pool.map(work, range(4))
+        with pytest.raises(ValueError, match="task 0 failed"):
+            next(results)
+        results.close()  # the consumer stops: what is still queued is cancelled
+        gate.set()
+    assert ran == [1]
+
+    with StartedPool(1, "test-cancel") as pool:
+        gate.clear()
+        started = threading.Event()
+        first = pool.submit(lambda: started.set() or gate.wait(10))
+        assert started.wait(10)
+        queued = [pool.submit(ran.append, n) for n in range(3)]
+        threading.Timer(0.2, gate.set).start()
+        pool.shutdown(cancel_futures=True)  # waits for the running task only
+        assert first.result() is True and all(f.cancelled() for f in queued) and ran == [1]
+    pool.shutdown()  # a second shutdown (the with block's) is a no-op
+
+
+@pytest.mark.mp
+def test_a_load_in_an_atexit_handler_reads_its_bytes(tmp_path) -> None:
+    """concurrent.futures refuses new work once the interpreter begins to exit; a load run
+    from an atexit hook (a script's last export) still reads."""
+    script = f"""
+import atexit, torch, torch.distributed.checkpoint as dcp
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+path = {str(tmp_path / "ckpt")!r}
+want = {{"w": torch.arange(6.0).reshape(2, 3), "b": torch.arange(4, dtype=torch.int64)}}
+dcp.save(want, storage_writer=ShardWriter(path), no_dist=True)
+def at_exit():
+    got = {{"w": torch.full((2, 3), -7.0), "b": torch.full((4,), -7, dtype=torch.int64)}}
+    dcp.load(got, storage_reader=ShardReader(path, thread_count=2), planner=ShardLoadPlanner(), no_dist=True)
+    assert all(torch.equal(got[k], want[k]) for k in want), got
+    print("loaded at exit")
+atexit.register(at_exit)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "loaded at exit" in result.stdout, result.stderr[-2000:]
