@@ -28,9 +28,16 @@ from dcp_ext.errors import CheckpointError, InvalidRequestError, StorageFullErro
 from dcp_ext.formats.data_files import check_relative_name
 
 IOV_MAX = 1024  # scatter buffers per preadv call (the Linux limit)
+# Bytes per preadv where the page cache does not hold a range: a large read waits for the
+# disk one readahead window at a time, while the kernel reads ahead of a stream of small
+# ones. Cold loads took 0.70x the time (1.07 GB: 493 -> 345 ms; 0.12 GB: 68 -> 47 ms; 2-core
+# box, 4 threads); 256 KiB reads were as fast at 0.12 GB and no faster than 64 MiB at 1 GB.
+COLD_READ_BYTES = 1 << 20
+PROBE_BYTES = 4096  # read with RWF_NOWAIT to tell whether the page cache holds a range
 PART_BYTES = 8 << 20  # largest ranged request to a remote store
 BATCH_BYTES = 64 << 20  # bytes one cat_ranges call fetches (held in memory at once)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # Linux 4.14+
 Run = tuple[int, Sequence[memoryview]]  # (file offset, buffers filled back to back from there)
 # fsspec backends' HTTP clients, whose errors are not OSError (botocore's EndpointConnectionError
 # for an endpoint that does not answer, NoCredentialsError, aiohttp's timeouts)
@@ -570,15 +577,33 @@ class LocalRangeReader(RangeReader):
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         total = 0
         pending = _byte_views(buffers)
+        step = COLD_READ_BYTES if pending and not self._cached(offset, pending) else 0
         while pending:
             batch = pending[:IOV_MAX]
-            n = os.preadv(self.fd, batch, offset)
+            n = os.preadv(self.fd, _take(batch, step)[0] if step else batch, offset)
             if n == 0:
                 raise self._ended_early(offset)
             total += n
             offset += n
             pending = _take(pending, n)[1]
         return total
+
+    def _cached(self, offset: int, buffers: list[memoryview]) -> bool:
+        """Whether the page cache holds the start of a range (and so, most likely, all of
+        it: a warm load is read in one call per range). A read that must not wait (the
+        bytes land where they belong; the loop reads them again). True where the kernel or
+        the file system cannot say: reads go on as they always did."""
+        if _NOWAIT is None:
+            return True
+        try:
+            os.preadv(self.fd, _take(buffers, PROBE_BYTES)[0], offset, _NOWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return True
+            raise
+        return True
 
     def close(self) -> None:
         os.close(self.fd)

@@ -7,6 +7,7 @@ questions alike.
 
 from __future__ import annotations
 
+import os
 import pickle
 import uuid
 
@@ -17,7 +18,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import CheckpointError, InvalidRequestError
-from dcp_ext.storage.location import PART_BYTES, FsspecLocation, LocalLocation, Location
+from dcp_ext.storage.location import (
+    COLD_READ_BYTES,
+    PART_BYTES,
+    PROBE_BYTES,
+    FsspecLocation,
+    LocalLocation,
+    LocalRangeReader,
+    Location,
+)
 
 from support import MeteredFileSystem
 
@@ -125,3 +134,38 @@ def test_a_server_that_ignores_range_requests_is_named(tmp_path) -> None:
         assert f"{url}/" in message and "the server sent" in message and "ignores range requests" in message, message
     finally:
         server.shutdown()
+
+
+def _evict(path) -> None:
+    """Drop a file's pages from the page cache (its own, clean pages: no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path) -> None:
+    """A range the page cache does not hold is read COLD_READ_BYTES at a time (the kernel
+    reads ahead of small reads), a cached one in one call: on both paths, buffers of odd
+    sizes straddling the steps get every byte in place."""
+    data = torch.randint(0, 256, (5 * COLD_READ_BYTES + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    sizes = [1, COLD_READ_BYTES - 1, 3 * COLD_READ_BYTES + 7, 4096, COLD_READ_BYTES]
+    reader = LocalRangeReader(str(path))
+    try:
+        for attempt in ("cold", "warm"):
+            if attempt == "cold":
+                _evict(path)
+                if reader._cached(0, [memoryview(bytearray(PROBE_BYTES))]):
+                    pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
+                _evict(path)
+            else:
+                assert reader._cached(100, [memoryview(bytearray(PROBE_BYTES))])
+            buffers = [torch.full((n,), 0xA5, dtype=torch.uint8) for n in sizes]
+            assert reader.read_into(100, [memoryview(b.numpy()) for b in buffers]) == sum(sizes)
+            assert torch.equal(torch.cat(buffers), data[100 : 100 + sum(sizes)]), attempt
+    finally:
+        reader.close()
