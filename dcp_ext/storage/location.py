@@ -573,6 +573,7 @@ class LocalRangeReader(RangeReader):
     def __init__(self, path: str):
         self.path = path
         self.fd = open_regular_file(path)
+        self._nowait = _NOWAIT  # None once the file system refused it (overlayfs, FUSE, NFS)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         total = 0
@@ -593,16 +594,16 @@ class LocalRangeReader(RangeReader):
         it: a warm load is read in one call per range). A read that must not wait (the
         bytes land where they belong; the loop reads them again). True where the kernel or
         the file system cannot say: reads go on as they always did."""
-        if _NOWAIT is None:
+        if self._nowait is None:
             return True
         try:
-            os.preadv(self.fd, _take(buffers, PROBE_BYTES)[0], offset, _NOWAIT)
+            os.preadv(self.fd, _take(buffers, PROBE_BYTES)[0], offset, self._nowait)
         except BlockingIOError:
             return False
         except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                return True
-            raise
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            self._nowait = None
         return True
 
     def close(self) -> None:
