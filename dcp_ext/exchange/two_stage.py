@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dcp_ext.errors import CheckpointError
 from dcp_ext.observe import PhaseClock
 from dcp_ext.runtime.threads import StartedPool
-from dcp_ext.storage.executors import LoadIdentity, ReadSettings, file_tasks, register_executor, task_limit
+from dcp_ext.storage.executors import TASK_BYTES, LoadIdentity, ReadSettings, file_tasks, register_executor, task_limit
 from dcp_ext.storage.read_plan import Request
 
 SEGMENT_BYTES = 32 << 20  # largest unit one rank reads and sends
@@ -152,10 +152,11 @@ class TwoStageExchange:
         identity: LoadIdentity,
         planning_error: BaseException | None = None,
         expected_bytes: int = 0,
+        expected_files: int = 0,
     ) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes this rank read from storage, files it opened).
-        The group plans its own reads, so ``expected_bytes`` (a local reader's task size) is
-        not needed.
+        The group plans its own reads, so ``expected_bytes`` and ``expected_files`` (a
+        local reader's task and pool sizes) are not needed.
 
         Every rank must call this, even one whose planning failed (pass the error): the
         failure is shared in the first collective and raised on every rank alike, as is a
@@ -183,12 +184,12 @@ class TwoStageExchange:
         # failure is shared there, like a read error; after the last batch every rank goes on
         # to dcp.load's own gather, which reports it everywhere.
         fill_failure: Exception | None = None
-        with StartedPool(1, "dcp_ext-prefetch") as prefetch:
-            pending = prefetch.submit(self._read, segments, batches[0]) if batches else None
+        with StartedPool(1, "dcp_ext-prefetch") as prefetch, self._read_pool(segments) as pool:
+            pending = prefetch.submit(self._read, segments, batches[0], pool) if batches else None
             for position, batch in enumerate(batches):
                 buffers, read, error = pending.result()
                 if position + 1 < len(batches):
-                    pending = prefetch.submit(self._read, segments, batches[position + 1])
+                    pending = prefetch.submit(self._read, segments, batches[position + 1], pool)
                 self._agree(error or (_describe(fill_failure) if fill_failure else None))
                 bytes_read += read
                 files.update(segments[n].path for n in batch if segments[n].reader == self.rank)
@@ -204,7 +205,16 @@ class TwoStageExchange:
         pieces.finish()
         return bytes_read, files
 
-    def _read(self, segments: list[Segment], batch: list[int]) -> tuple[dict[int, torch.Tensor], int, str | None]:
+    def _read_pool(self, segments: list[Segment]) -> StartedPool:
+        """One pool for the load's reads, started before the first (a thread started while
+        others read waits for the GIL): no more threads than this rank's tasks can be."""
+        mine = [s for s in segments if s.reader == self.rank]
+        tasks = len({s.path for s in mine}) + sum(s.nbytes for s in mine) // TASK_BYTES
+        return StartedPool(max(1, min(self.thread_count, tasks)), "dcp_ext-read")
+
+    def _read(
+        self, segments: list[Segment], batch: list[int], pool: StartedPool
+    ) -> tuple[dict[int, torch.Tensor], int, str | None]:
         """Read this rank's segments of the batch; errors are reported, not raised. One
         buffer for them all, and each file opened once per task (``file_tasks``, as the
         plain reader cuts them), its segments read in one call: a column-sharded load has a
@@ -225,8 +235,7 @@ class TwoStageExchange:
 
         tasks = list(file_tasks([segments[n] for n in mine], task_limit(position, self.thread_count)))
         try:
-            with StartedPool(max(1, min(self.thread_count, len(tasks))), "dcp_ext-read") as pool:
-                return buffers, sum(pool.map(read, tasks)), None
+            return buffers, sum(pool.map(read, tasks)), None
         except Exception as exc:  # shared with every rank below, then raised everywhere
             return buffers, 0, _describe(exc)
 

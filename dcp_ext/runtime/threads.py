@@ -54,13 +54,24 @@ class StartedPool:
     def __init__(self, threads: int, name: str):
         self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._lock = threading.Lock()
         self._closed = False
-        for thread in self._threads:
-            thread.start()
+        started = 0
+        try:
+            for thread in self._threads:
+                thread.start()
+                started += 1
+        except BaseException:  # the threads that did start are stopped before the error goes on
+            del self._threads[started:]
+            self.shutdown()
+            raise
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
-        self._tasks.put((future, fn, args))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("StartedPool: cannot take work after shutdown")
+            self._tasks.put((future, fn, args))
         return future
 
     def map(self, fn: Callable[[A], T], items: Iterable[A]) -> Iterator[T]:
@@ -79,22 +90,33 @@ class StartedPool:
                 future.cancel()
 
     def shutdown(self, cancel_futures: bool = False) -> None:
-        """Wait for the running tasks; queued ones run too unless ``cancel_futures``."""
-        if self._closed:
-            return
-        self._closed = True
-        if cancel_futures:
-            while True:
-                try:
-                    task = self._tasks.get_nowait()
-                except queue.Empty:
-                    break
-                if task is not None:
-                    task[0].cancel()
-        for _ in self._threads:
-            self._tasks.put(None)
+        """Wait for the running tasks; queued ones run too unless ``cancel_futures``. Safe
+        to call again (it waits again: a first call cut short by an interrupt)."""
+        with self._lock:
+            if cancel_futures:
+                self._cancel_queued()
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    self._tasks.put(None)
         for thread in self._threads:
-            thread.join()
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _cancel_queued(self) -> None:
+        """Cancel every queued task; the stop markers stay queued."""
+        stops = 0
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is None:
+                stops += 1
+            else:
+                task[0].cancel()
+        for _ in range(stops):
+            self._tasks.put(None)
 
     def __enter__(self) -> StartedPool:
         return self

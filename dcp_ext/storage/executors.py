@@ -65,11 +65,13 @@ class Executor(Protocol):
         identity: LoadIdentity,
         planning_error: BaseException | None = None,
         expected_bytes: int = 0,
+        expected_files: int = 0,
     ) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes read from storage, files opened).
 
         ``requests`` may be planned as they are taken (a generator, file by file);
-        ``expected_bytes`` is about what they add up to, known before (it sizes tasks).
+        ``expected_bytes`` is about what they add up to and ``expected_files`` how many
+        files they read, known before (they size tasks and the thread pool; 0: unknown).
         """
 
 
@@ -100,12 +102,16 @@ class ScatterReads:
         identity: LoadIdentity,
         planning_error: BaseException | None = None,
         expected_bytes: int = 0,
+        expected_files: int = 0,
     ) -> tuple[int, set[str]]:
         if planning_error is not None:
             raise planning_error
         self.staging = None
-        limit = task_limit(expected_bytes, self.settings.thread_count)
-        pool = StartedPool(self.settings.thread_count, "dcp_ext-read")
+        threads = self.settings.thread_count
+        limit = task_limit(expected_bytes, threads)
+        if expected_files:  # no more threads than there can be tasks (each file's cut at limit)
+            threads = max(1, min(threads, expected_files + expected_bytes // limit))
+        pool = StartedPool(threads, "dcp_ext-read")
         futures: list[Future[int]] = []
         files: set[str] = set()
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import os
 import posixpath
 import shutil
@@ -30,10 +31,11 @@ from dcp_ext.formats.data_files import check_relative_name
 IOV_MAX = 1024  # scatter buffers per preadv call (the Linux limit)
 # Bytes per preadv where the page cache does not hold a range: a large read waits for the
 # disk one readahead window at a time, while the kernel reads ahead of a stream of small
-# ones. Cold loads took 0.70x the time (1.07 GB: 493 -> 345 ms; 0.12 GB: 68 -> 47 ms; 2-core
-# box, 4 threads); 256 KiB reads were as fast at 0.12 GB and no faster than 64 MiB at 1 GB.
+# ones. Cold 0.12 GB loads took 0.7-0.8x the time (2-core box, 4 threads; README, stop 36),
+# 1.07 GB ones 0.7x to 1.0x (it varies with the host's cache); warm loads are unchanged.
+# 256 KiB steps were as fast at 0.12 GB and slower than one call at 1.07 GB.
 COLD_READ_BYTES = 1 << 20
-PROBE_BYTES = 4096  # read with RWF_NOWAIT to tell whether the page cache holds a range
+PROBE_BYTES = 4096  # read with RWF_NOWAIT to tell whether the page cache holds a range (twice)
 PART_BYTES = 8 << 20  # largest ranged request to a remote store
 BATCH_BYTES = 64 << 20  # bytes one cat_ranges call fetches (held in memory at once)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -574,30 +576,48 @@ class LocalRangeReader(RangeReader):
         self.path = path
         self.fd = open_regular_file(path)
         self._nowait = _NOWAIT  # None once the file system refused it (overlayfs, FUSE, NFS)
+        self._probe = bytearray(PROBE_BYTES)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
-        total = 0
-        pending = _byte_views(buffers)
-        step = COLD_READ_BYTES if pending and not self._cached(offset, pending) else 0
-        while pending:
-            batch = pending[:IOV_MAX]
-            n = os.preadv(self.fd, _take(batch, step)[0] if step else batch, offset)
+        views = _byte_views(buffers)
+        step = 0 if self._cached(offset, sum(v.nbytes for v in views)) else COLD_READ_BYTES
+        total = first = 0  # views[first:] are still to fill
+        while first < len(views):
+            batch, size = [], 0
+            for view in itertools.islice(views, first, first + IOV_MAX):
+                if step and size + view.nbytes > step:  # a cold read: COLD_READ_BYTES at a time
+                    if size < step:
+                        batch.append(view[: step - size])
+                    break
+                batch.append(view)
+                size += view.nbytes
+            n = os.preadv(self.fd, batch, offset)
             if n == 0:
                 raise self._ended_early(offset)
             total += n
             offset += n
-            pending = _take(pending, n)[1]
+            while n:  # the views the call filled, the last one maybe in part
+                if views[first].nbytes <= n:
+                    n -= views[first].nbytes
+                    first += 1
+                else:
+                    views[first] = views[first][n:]
+                    n = 0
         return total
 
-    def _cached(self, offset: int, buffers: list[memoryview]) -> bool:
-        """Whether the page cache holds the start of a range (and so, most likely, all of
-        it: a warm load is read in one call per range). A read that must not wait (the
-        bytes land where they belong; the loop reads them again). True where the kernel or
-        the file system cannot say: reads go on as they always did."""
-        if self._nowait is None:
+    def _cached(self, offset: int, nbytes: int) -> bool:
+        """Whether the page cache holds a range longer than one step (and so, most likely,
+        all of it: a warm load reads each range in one call), by reads that must not wait
+        at its start and at the end of its first step: the start of a stock-written record
+        is cached once its layout was parsed from its head. Where the start is not cached,
+        the probe's own readahead begins where the reads will (a probe further in alone
+        made cold loads slower). True where the kernel or the file system cannot tell:
+        reads go on as they always did."""
+        if self._nowait is None or nbytes <= COLD_READ_BYTES:
             return True
         try:
-            os.preadv(self.fd, _take(buffers, PROBE_BYTES)[0], offset, self._nowait)
+            for at in (offset, offset + COLD_READ_BYTES - PROBE_BYTES):
+                os.preadv(self.fd, [self._probe], at, self._nowait)
         except BlockingIOError:
             return False
         except OSError as exc:

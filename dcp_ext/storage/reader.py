@@ -296,7 +296,12 @@ class ShardReader(StorageReader):
             if executor.collective:  # every rank must join, which shares the failure
                 executor.run([], identity, planning_error=exc)  # raises it on every rank
             raise
-        bytes_read, files = executor.run(requests, identity, expected_bytes=sum(record.length for record in stored))
+        bytes_read, files = executor.run(
+            requests,
+            identity,
+            expected_bytes=sum(record.length for record in stored),
+            expected_files=len({record.relative_path for record in stored}),
+        )
         self.clock.add("exchange", executor.seconds)
         self.stats.bytes_received += executor.bytes_received
         for commit_item in commits:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import CheckpointError, InvalidRequestError
+import dcp_ext.storage.location as location_module
 from dcp_ext.storage.location import (
     COLD_READ_BYTES,
     PART_BYTES,
@@ -146,26 +147,45 @@ def _evict(path) -> None:
         os.close(fd)
 
 
-def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path) -> None:
+def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path, monkeypatch) -> None:
     """A range the page cache does not hold is read COLD_READ_BYTES at a time (the kernel
-    reads ahead of small reads), a cached one in one call: on both paths, buffers of odd
-    sizes straddling the steps get every byte in place."""
+    reads ahead of small reads), a cached one in one call, also when only the range's
+    ends are cached (a stock record whose layout was parsed from them); on both paths,
+    buffers of odd sizes straddling the steps, and more than IOV_MAX of them, get every
+    byte in place. The reads are real; a wrapper notes their sizes."""
     data = torch.randint(0, 256, (5 * COLD_READ_BYTES + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     path = tmp_path / "f.bin"
     path.write_bytes(data.numpy().tobytes())
-    sizes = [1, COLD_READ_BYTES - 1, 3 * COLD_READ_BYTES + 7, 4096, COLD_READ_BYTES]
+    sizes = [1, COLD_READ_BYTES - 1, 3 * COLD_READ_BYTES + 7, *[3] * 1500, 4096, COLD_READ_BYTES]
+    start, end = 100, 100 + sum(sizes)
+    calls: list[int] = []
+    real_preadv = os.preadv
+
+    def noted(fd: int, buffers, offset: int, *flags: int) -> int:
+        if not flags:  # not the probe
+            calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(location_module.os, "preadv", noted)
     reader = LocalRangeReader(str(path))
     try:
-        for attempt in ("cold", "warm"):
+        for attempt in ("cold", "ends cached", "warm"):
+            if attempt != "warm":
+                _evict(path)
             if attempt == "cold":
-                _evict(path)
-                if reader._cached(0, [memoryview(bytearray(PROBE_BYTES))]):
+                if reader._cached(start, end - start):
                     pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
-                _evict(path)
-            else:
-                assert reader._cached(100, [memoryview(bytearray(PROBE_BYTES))])
+                _evict(path)  # the probe may have started reading ahead
+            if attempt == "ends cached":
+                with open(path, "rb") as f:  # what parsing a stock record's layout reads
+                    f.seek(start), f.read(PROBE_BYTES), f.seek(end - PROBE_BYTES), f.read(PROBE_BYTES)
+            calls.clear()
             buffers = [torch.full((n,), 0xA5, dtype=torch.uint8) for n in sizes]
-            assert reader.read_into(100, [memoryview(b.numpy()) for b in buffers]) == sum(sizes)
-            assert torch.equal(torch.cat(buffers), data[100 : 100 + sum(sizes)]), attempt
+            assert reader.read_into(start, [memoryview(b.numpy()) for b in buffers]) == sum(sizes)
+            assert torch.equal(torch.cat(buffers), data[start:end]), attempt
+            if attempt == "warm":
+                assert len(calls) == 2, calls  # IOV_MAX buffers per call
+            else:
+                assert max(calls) <= COLD_READ_BYTES and len(calls) >= sum(sizes) // COLD_READ_BYTES, (attempt, calls)
     finally:
         reader.close()

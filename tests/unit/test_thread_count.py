@@ -8,8 +8,10 @@ import sys
 import threading
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_ext import ShardReader, ShardWriter
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.runtime.threads import MAX_THREADS, MIN_THREADS, StartedPool, io_thread_count
 
@@ -101,3 +103,37 @@ atexit.register(at_exit)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "loaded at exit" in result.stdout, result.stderr[-2000:]
+
+
+def test_started_pool_shutdown_always_waits_and_refuses_later_work() -> None:
+    """A shutdown that another already began (or that an interrupt cut short) still waits
+    for the running task: the reader hands the destinations back only after it."""
+    gate, second_done = threading.Event(), threading.Event()
+    pool = StartedPool(1, "test-rejoin")
+    running = pool.submit(gate.wait, 10)
+    first = threading.Thread(target=pool.shutdown)
+    first.start()
+    threading.Thread(target=lambda: (pool.shutdown(), second_done.set())).start()
+    assert not second_done.wait(0.3)
+    gate.set()
+    assert second_done.wait(10) and running.result() is True
+    first.join(10)
+    with pytest.raises(RuntimeError, match="cannot take work after shutdown"):
+        pool.submit(print)
+
+
+def test_a_load_starts_no_more_reader_threads_than_it_has_tasks(tmp_path) -> None:
+    """A pool starts every thread up front, so a load of one small tensor must not start
+    thread_count of them (16 on a big node: ~1 ms of starts for one read)."""
+    want = {"w": torch.arange(12.0).reshape(3, 4)}
+    dcp.save(want, storage_writer=ShardWriter(tmp_path), no_dist=True)
+    seen: list[int] = []
+
+    class Watching(ShardLoadPlanner):
+        def resolve_tensor(self, read_item):  # noqa: ANN001, ANN201 (runs while the pool is up)
+            seen.append(len(_pool_threads("dcp_ext-read")))
+            return super().resolve_tensor(read_item)
+
+    got = {"w": torch.full((3, 4), -7.0)}
+    dcp.load(got, storage_reader=ShardReader(tmp_path, thread_count=8), planner=Watching(), no_dist=True)
+    assert torch.equal(got["w"], want["w"]) and seen == [1]
