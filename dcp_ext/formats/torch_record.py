@@ -34,6 +34,7 @@ import dataclasses
 import io
 import pickle
 import struct
+import threading
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -378,7 +379,7 @@ def _check_memo(pickled: bytes) -> None:
 
 
 class RecordLayouts:
-    """Layouts of one file's ``torch.save`` records, each parsed from its head and tail.
+    """Layouts of ``torch.save`` records, each parsed from its head and tail.
 
     ``torch.save`` frames every tensor of one dtype, shape and strides in the same bytes
     but for the entries no parse reads (the storage, the serialization id) and their
@@ -394,21 +395,25 @@ class RecordLayouts:
 
     def __init__(self) -> None:
         self._frames: dict[int, list[_Frame]] = {}  # record length -> frames of records parsed in full
+        self._lock = threading.Lock()  # threads probing records of one load share the frames
         self.parsed_in_full = 0  # records that matched no frame
 
     def parse(self, length: int, read_at: Callable[[int, int], bytes], where: str) -> TensorLayout:
         with _record_errors(where):
             probe = _ProbedRecord(length, read_at)
-        frames = self._frames.setdefault(length, [])
+        with self._lock:
+            frames = list(self._frames.get(length, ()))
         for frame in frames:
             layout = frame.match(probe)
             if layout is not None:
                 return layout
         parsed = _parse(probe, where)
-        self.parsed_in_full += 1
-        frame = _Frame.of(probe, parsed) if len(frames) < self.KINDS else None
-        if frame is not None:
-            frames.append(frame)
+        with self._lock:
+            self.parsed_in_full += 1
+            kept = self._frames.setdefault(length, [])
+            frame = _Frame.of(probe, parsed) if len(kept) < self.KINDS else None
+            if frame is not None:
+                kept.append(frame)
         return parsed.layout
 
 

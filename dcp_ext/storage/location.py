@@ -556,6 +556,11 @@ class RangeReader(ABC):
         """Fill several runs of the file; one call so a remote reader can batch them."""
         return sum(self.read_into(offset, buffers) for offset, buffers in runs)
 
+    def holds(self, offsets: Sequence[int]) -> bool:
+        """Whether reads at ``offsets`` would be answered from memory (a page cache), not
+        wait for storage; False where that cannot be asked (a remote store)."""
+        return False
+
     def close(self) -> None:
         """Release what the reader holds."""
 
@@ -580,7 +585,12 @@ class LocalRangeReader(RangeReader):
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         views = _byte_views(buffers)
-        step = 0 if self._cached(offset, sum(v.nbytes for v in views)) else COLD_READ_BYTES
+        # a range of more than one step whose start and first step's end the page cache
+        # lacks: the start of a stock-written record is cached once its layout was parsed
+        # from its head (probing further in alone made cold loads slower: that probe's
+        # readahead starts away from where the reads begin)
+        long = sum(v.nbytes for v in views) > COLD_READ_BYTES
+        step = COLD_READ_BYTES if long and not self.holds((offset, offset + COLD_READ_BYTES - PROBE_BYTES)) else 0
         total = first = 0  # views[first:] are still to fill
         while first < len(views):
             batch, size = [], 0
@@ -605,18 +615,13 @@ class LocalRangeReader(RangeReader):
                     n = 0
         return total
 
-    def _cached(self, offset: int, nbytes: int) -> bool:
-        """Whether the page cache holds a range longer than one step (and so, most likely,
-        all of it: a warm load reads each range in one call), by reads that must not wait
-        at its start and at the end of its first step: the start of a stock-written record
-        is cached once its layout was parsed from its head. Where the start is not cached,
-        the probe's own readahead begins where the reads will (a probe further in alone
-        made cold loads slower). True where the kernel or the file system cannot tell:
-        reads go on as they always did."""
-        if self._nowait is None or nbytes <= COLD_READ_BYTES:
+    def holds(self, offsets: Sequence[int]) -> bool:
+        """By a read at each offset that must not wait (``RWF_NOWAIT``); True where the
+        kernel or the file system cannot tell: reads then go on as they always did."""
+        if self._nowait is None:
             return True
         try:
-            for at in (offset, offset + COLD_READ_BYTES - PROBE_BYTES):
+            for at in offsets:
                 os.preadv(self.fd, [self._probe], at, self._nowait)
         except BlockingIOError:
             return False

@@ -515,7 +515,7 @@ class ShardReader(StorageReader):
                     missing.setdefault(read_item.storage_index, []).append(len(layouts))
             layouts.append(layout)
         try:
-            parsed = catalog.parse_layouts(self.location, list(missing))
+            parsed = catalog.parse_layouts(self.location, list(missing), self.thread_count)
         except FileNotFoundError:  # the records parsed here: stock ones, or the canonical record of one of ours
             index = next(iter(missing))
             raise self._missing(catalog.item(index).relative_path, index.fqn) from None

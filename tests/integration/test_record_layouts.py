@@ -10,6 +10,7 @@ parts a parse reads, the result is exactly what a full parse gives, error includ
 from __future__ import annotations
 
 import io
+import os
 import re
 import struct
 import threading
@@ -22,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.torch_record import PROBE_BYTES, RecordLayouts, _save_record, parse_tensor_record
+from dcp_ext.storage.location import LocalRangeReader
 
 from support import garbage, load_error
 
@@ -144,3 +146,39 @@ def test_a_corrupt_record_in_a_later_file_fails_the_load_by_name(tmp_path):
     assert isinstance(error, CorruptCheckpointError), error
     assert re.search(rf"file '{last.name}' key 'w\d': zip entry 'archive/data.pkl' fails its CRC-32$", str(error)), error
     assert not [t for t in threading.enumerate() if t.name.startswith("dcp_ext-read")]
+
+
+def test_records_not_in_memory_are_probed_on_several_threads_bit_exact(tmp_path, monkeypatch):
+    """A stock checkpoint one process wrote is one file: its records' heads and tails are
+    read by several threads sharing the frames when the page cache lacks them (each read
+    waits on the disk), on the planning thread alone when it holds them (parsing is then
+    CPU work, which threads slow down). Either way every tensor lands bit-exact."""
+    state = {f"{name}.{n}": make(n).contiguous() for n in range(12) for name, make in KINDS.items() if "view" not in name}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    (data_file,) = tmp_path.glob("*.distcp")
+    parsed_on: list[str] = []
+    real_parse = RecordLayouts.parse
+
+    def noted(self, *args):
+        parsed_on.append(threading.current_thread().name)
+        return real_parse(self, *args)
+
+    monkeypatch.setattr(RecordLayouts, "parse", noted)
+    for attempt in ("cold", "warm"):
+        if attempt == "cold":
+            fd = os.open(data_file, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        parsed_on.clear()
+        dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
+        reader = ShardReader(tmp_path, cache_metadata=False, thread_count=4)
+        dcp.load(dst, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=True)
+        for key, want in state.items():
+            assert torch.equal(dst[key], want), (attempt, key)
+        assert len(parsed_on) == sum(v.numel() > 0 for v in state.values())  # an empty one reads nothing
+        probing = {name for name in parsed_on if name.startswith("dcp_ext-probe")}
+        if attempt == "warm":
+            assert not probing, parsed_on
+        elif not LocalRangeReader(str(data_file)).holds([0]):  # else tmpfs, or no RWF_NOWAIT here
+            assert len(probing) > 1, parsed_on
