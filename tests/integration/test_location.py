@@ -173,7 +173,11 @@ def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path
             if attempt != "warm":
                 _evict(path)
             if attempt == "cold":
-                if reader.holds((start, start + COLD_READ_BYTES - PROBE_BYTES)):
+                for _ in range(3):  # writeback of a busy machine can keep pages a moment
+                    if not reader.holds((start, start + COLD_READ_BYTES - PROBE_BYTES)):
+                        break
+                    _evict(path)
+                else:
                     pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
                 _evict(path)  # the probe may have started reading ahead
             if attempt == "ends cached":
