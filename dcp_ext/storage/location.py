@@ -585,10 +585,10 @@ class LocalRangeReader(RangeReader):
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         views = _byte_views(buffers)
-        # a range of more than one step whose start and first step's end the page cache
-        # lacks: the start of a stock-written record is cached once its layout was parsed
-        # from its head (probing further in alone made cold loads slower: that probe's
-        # readahead starts away from where the reads begin)
+        # read in steps: a range of more than one step whose start or first step's end the
+        # page cache lacks (the start of a stock-written record is cached once its layout
+        # was parsed from its head; probing further in alone made cold loads slower: that
+        # probe's readahead starts away from where the reads begin)
         long = sum(v.nbytes for v in views) > COLD_READ_BYTES
         step = COLD_READ_BYTES if long and not self.holds((offset, offset + COLD_READ_BYTES - PROBE_BYTES)) else 0
         total = first = 0  # views[first:] are still to fill
