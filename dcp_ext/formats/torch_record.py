@@ -428,6 +428,8 @@ class _Frame:
     zeroed: tuple[tuple[int, int], ...]  # ranges of ``ends`` left out of the comparison
     crc_fields: tuple[int, ...]  # central directory CRC-32s that are zeroed (of unread entries)
     parsed: _Parsed
+    fixed_crcs: bool  # an entry the parse reads has a CRC-32 (so the record has them)
+    data_crc_field: int  # the storage entry's CRC-32 field, one of ``crc_fields``
 
     @classmethod
     def of(cls, probe: _ProbedRecord, parsed: _Parsed) -> _Frame | None:
@@ -443,13 +445,16 @@ class _Frame:
         spans: list[tuple[int, int]] = []
         unused: set[int] = set()  # CRC fields read as part of a header, their values not used
         crc_fields: list[int] = []
+        fixed_crcs, data_crc_field = False, None
         for info, header in zip(parsed.infos, central):
             if info.filename.split("/", 1)[-1] in _READ_ENTRIES:
+                fixed_crcs = fixed_crcs or bool(info.CRC)
                 continue
             crc_fields.append(header + 16)
             unused.add(header + 16)
             end = next((start for start in starts if start > info.header_offset), 0)  # the next entry's header
             if info is parsed.data_entry:  # its local header is read: there only its CRC is left out
+                data_crc_field = header + 16
                 unused.add(info.header_offset + 14)
                 spans += [(info.header_offset + 14, 4), (parsed.layout.payload_offset, end - parsed.layout.payload_offset)]
             else:  # header, bytes and data descriptor
@@ -458,10 +463,10 @@ class _Frame:
         for start, n in spans:
             if n < 0 or (start not in unused and any(start < end and begin < start + n for begin, end in probe.reads)):
                 return None
-        if any(probe.peek(field, 4) is None for field in crc_fields):
+        if data_crc_field is None or any(probe.peek(field, 4) is None for field in crc_fields):
             return None
         zeroed = probe.end_ranges(spans)
-        return cls(bytes(probe.ends(zeroed)), zeroed, tuple(crc_fields), parsed)
+        return cls(bytes(probe.ends(zeroed)), zeroed, tuple(crc_fields), parsed, fixed_crcs, data_crc_field)
 
     def match(self, probe: _ProbedRecord) -> TensorLayout | None:
         """The layout of ``probe``'s record (of the same length) if it is framed like this
@@ -469,15 +474,10 @@ class _Frame:
         if probe.ends(self.zeroed) != self.ends:
             return None
         crcs = {field: int.from_bytes(probe.peek(field, 4) or bytes(4), "little") for field in self.crc_fields}
-        fixed = any(info.CRC for info in self.parsed.infos if info.filename.split("/", 1)[-1] in _READ_ENTRIES)
-        if (fixed or any(crcs.values())) != self.parsed.crcs:
+        if (self.fixed_crcs or any(crcs.values())) != self.parsed.crcs:
             return None
-        data_crc = crcs[self.crc_fields[self._data_position()]]
+        data_crc = crcs[self.data_crc_field]
         return dataclasses.replace(self.parsed.layout, payload_crc32=data_crc if self.parsed.crcs else None)
-
-    def _data_position(self) -> int:
-        unread = [info for info in self.parsed.infos if info.filename.split("/", 1)[-1] not in _READ_ENTRIES]
-        return next(n for n, info in enumerate(unread) if info is self.parsed.data_entry)
 
 
 def _central_headers(probe: _ProbedRecord, parsed: _Parsed) -> list[int] | None:
