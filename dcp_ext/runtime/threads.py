@@ -48,7 +48,7 @@ class StartedPool:
     """A fixed pool of threads, all started up front, fed from one queue; used as a
     context manager (leaving it waits for every task) or closed with ``shutdown``.
 
-    Plain daemon threads, as ``run_parallel``'s: they take work during interpreter exit.
+    Plain daemon threads: they take work during interpreter exit.
     """
 
     def __init__(self, threads: int, name: str):
@@ -150,24 +150,10 @@ def _settle(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
 
 def run_parallel(calls: Sequence[Callable[[], T]], name: str) -> list[T]:
     """Each call on a thread of its own; their results in order, or the first call's error
-    once all have ended. Plain threads, not ``concurrent.futures``: that refuses new work
-    once the interpreter begins to exit, and an ``async_save`` nobody waited for finishes
-    during exit (DCP's executor thread is joined then; stock's writer threads still start)."""
-    results: list[T | None] = [None] * len(calls)
-    errors: list[BaseException | None] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = calls[i]()
-        except BaseException as exc:  # handed to the caller below
-            errors[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for error in errors:
-        if error is not None:
-            raise error
-    return results  # type: ignore[return-value]
+    once all have ended. ``StartedPool``'s plain threads, not ``concurrent.futures``: that
+    refuses new work once the interpreter begins to exit, and an ``async_save`` nobody
+    waited for finishes during exit (DCP's executor thread is joined then; stock's writer
+    threads still start)."""
+    with StartedPool(len(calls), name) as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [future.result() for future in futures]
