@@ -91,7 +91,7 @@ class Catalog:
         so a load maps only the keys it reads."""
         state = self.metadata.state_dict_metadata
         if isinstance(state, IndexedKeys):
-            found = state.chunk(index.fqn, index.offset)
+            found = state.chunk(index.fqn, index.offset, index.index)
             if found is not None:
                 return self._tensor(index.fqn), found
         else:
@@ -109,7 +109,7 @@ class Catalog:
     def _chunk_shape(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
         """(dtype, sizes) of the chunk an item holds; from the columns of an index load."""
         state = self.metadata.state_dict_metadata
-        found = state.chunk_shape(index.fqn, index.offset) if isinstance(state, IndexedKeys) else None
+        found = state.chunk_shape(index.fqn, index.offset, index.index) if isinstance(state, IndexedKeys) else None
         if found is not None:
             return found
         md, chunk = self.chunk(index)

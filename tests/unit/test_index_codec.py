@@ -88,6 +88,23 @@ def test_lookups_follow_dcp_index_equality():
         back.items[MetadataIndex("w", [1, 0])]
 
 
+@pytest.mark.parametrize("hint", [None, 0, 1, 2, -1, 99])
+def test_a_chunk_hint_is_checked_before_it_is_trusted(hint):
+    """``MetadataIndex.index`` (where DCP's planners say a chunk stands in its key's list)
+    spares the search among a key's rows: right, wrong or out of range, every lookup
+    finds the same row, an offset with no chunk stays missing, and TP-replica copies
+    (several rows at one offset) are all found."""
+    for offset, path, sizes in (([0, 0], "__0_0.distcp", (3, 3)), ([3, 0], "__1_0.distcp", (2, 3))):
+        back = decode_index(encoded()[0], "ckpt/.index")  # fresh: nothing remembered
+        assert back.items[MetadataIndex("w", offset, index=hint)].relative_path == path
+        back = decode_index(encoded()[0], "ckpt/.index")
+        assert back.metadata.state_dict_metadata.chunk_shape("w", offset, hint) == (torch.bfloat16, sizes)
+    back = decode_index(encoded()[0], "ckpt/.index")
+    with pytest.raises(KeyError):
+        back.items[MetadataIndex("w", [1, 0], index=hint)]
+    assert [c.relative_path for c in back.copies[MetadataIndex("norm", [0], index=hint)]] == ["__1_0.distcp"]
+
+
 def test_remembered_chunk_lookups_stay_bounded_and_right(monkeypatch):
     """Lookups are remembered per catalog (a load asks for each chunk twice), at most
     FIND_MEMO_ENTRIES of them: a whole-checkpoint load in one process stays bounded."""
