@@ -3,7 +3,9 @@
 Measures, on a deterministic state dict of mixed tensor sizes (default ~1 GiB):
 
 (a) raw ceilings: sequential write of an equal-sized file with fsync, sequential read of it
-    with a cold and a warm page cache, and memcpy (``Tensor.copy_``);
+    with a cold and a warm page cache (timed at the start of every round of loads, in the
+    loads' cache state: ratios to it hold while the VM's disk and memory drift), and
+    memcpy (``Tensor.copy_``);
 (b) saves: stock ``FileSystemWriter`` versus ``ShardWriter`` (checksums and atomic commit on)
     versus the raw ceiling at equal thread counts: the same bytes written by T threads into
     T files with fsync ("raw"), and that plus the CRC32C pass our records need ("raw+crc";
@@ -349,33 +351,38 @@ def read_file(path: Path, dst: memoryview) -> None:
             pos += n
 
 
-def measure_ceilings(cfg: Config, group: Group, local_bytes: int, cold_ok: bool) -> dict[str, Any]:
-    """Raw write+fsync, cold and warm sequential read and memcpy of the rank's share of bytes."""
-    path = cfg.workdir / f"raw_r{group.rank}.bin"
-    buf = torch.zeros(local_bytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    write_s, cold_s, warm_s, copy_s = [], [], [], []
-    for _ in range(cfg.repeat):
-        path.unlink(missing_ok=True)
-        drop_caches(group)
-        write_s.append(timed(group, lambda: write_file(path, local_bytes)))
-    for _ in range(cfg.repeat if cold_ok else 0):
-        drop_caches(group)
-        cold_s.append(timed(group, lambda: read_file(path, view)))
-    read_file(path, view)
-    for _ in range(cfg.repeat):
-        warm_s.append(timed(group, lambda: read_file(path, view)))
-    copy_dst = torch.zeros_like(buf)
-    for _ in range(cfg.repeat):
-        copy_s.append(timed(group, lambda: copy_dst.copy_(buf)))
-    path.unlink()
-    total = cfg.total_bytes
-    return {
-        "write_fsync": summary(write_s, total),
-        "read_cold": summary(cold_s, total) if cold_ok else None,
-        "read_warm": summary(warm_s, total),
-        "memcpy": summary(copy_s, total),
-    }
+class RawRead:
+    """The raw read ceiling: this rank's share of bytes in one file, read sequentially into
+    one buffer. The file stays on disk while the loads run, so that each round of loads
+    times it first, in the same cache state (the disk and memory of a VM drift over a run)."""
+
+    def __init__(self, cfg: Config, group: Group, nbytes: int):
+        self.path = cfg.workdir / f"raw_r{group.rank}.bin"
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self.group = group
+
+    def write(self) -> float:
+        self.path.unlink(missing_ok=True)
+        drop_caches(self.group)
+        return timed(self.group, lambda: write_file(self.path, self.buffer.numel()))
+
+    def read(self, cold: bool) -> float:
+        if cold:
+            drop_caches(self.group)
+        else:
+            read_file(self.path, memoryview(self.buffer.numpy()))  # warm: in the page cache
+        return timed(self.group, lambda: read_file(self.path, memoryview(self.buffer.numpy())))
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def measure_ceilings(cfg: Config, raw: RawRead) -> dict[str, Any]:
+    """Raw write+fsync and memcpy of the rank's share of bytes (the reads: ``measure_loads``)."""
+    write_s = [raw.write() for _ in range(cfg.repeat)]
+    copy_dst = torch.zeros_like(raw.buffer)
+    copy_s = [timed(raw.group, lambda: copy_dst.copy_(raw.buffer)) for _ in range(cfg.repeat)]
+    return {"write_fsync": summary(write_s, cfg.total_bytes), "memcpy": summary(copy_s, cfg.total_bytes)}
 
 
 def make_writer(kind: str, path: Path, threads: int) -> StorageWriter:
@@ -541,8 +548,10 @@ def measure_loads(
     dst: dict[str, torch.Tensor],
     want: dict[str, torch.Tensor],
     repeat: int,
+    raw: RawRead | None = None,
 ) -> dict[str, Any]:
-    """Both readers on each checkpoint in each mode ("cold"/"warm"), ``repeat`` times, interleaved.
+    """Both readers on each checkpoint in each mode ("cold"/"warm"), ``repeat`` times,
+    interleaved; with ``raw``, each round reads the raw file first (``[mode]["raw"]``).
 
     The first repeat of each case loads into zeroed tensors and is verified.
     """
@@ -553,15 +562,18 @@ def measure_loads(
             for path in ckpts.values():
                 warm_cache(group, path)
         samples: dict[tuple[str, str], list[LoadSample]] = {(c, k): [] for c in ckpts for k in READERS}
+        raw_s: list[float] = []
         verified: dict[tuple[str, str], bool] = {}
         for rep in range(repeat):
+            if raw is not None:
+                raw_s.append(raw.read(cold=mode == "cold"))
             for (label, kind), runs in samples.items():
                 if rep == 0:
                     zero_(dst)
                 runs.append(load_once(group, kind, ckpts[label], dst, cold=mode == "cold"))
                 if rep == 0:
                     verified[label, kind] = verify(group, dst, want)
-        out[mode] = {}
+        out[mode] = {"raw": summary(raw_s, cfg.total_bytes)} if raw_s else {}
         for label in ckpts:
             row: dict[str, Any] = {}
             for kind in READERS:
@@ -625,11 +637,15 @@ def phase_main(cfg: Config, group: Group) -> dict[str, Any]:
     state = make_state(cfg, group, filled=True)
     local_bytes = sum(local_view(t).nbytes for t in state.values())
     cold_ok = drop_caches(group)
-    ceilings = measure_ceilings(cfg, group, local_bytes, cold_ok)
+    raw = RawRead(cfg, group, local_bytes)
+    ceilings = measure_ceilings(cfg, raw)
     saves = measure_saves(cfg, group, state)
     ckpts = {"stock-written": cfg.ckpt("ckpt_stock"), "ours-written": cfg.ckpt("ckpt_ours")}
     modes = ("cold", "warm") if cold_ok else ("warm",)
-    loads = measure_loads(cfg, group, ckpts, modes, make_state(cfg, group, filled=False), state, cfg.repeat)
+    loads = measure_loads(cfg, group, ckpts, modes, make_state(cfg, group, filled=False), state, cfg.repeat, raw)
+    raw.remove()
+    ceilings["read_cold"] = loads["cold"].pop("raw") if cold_ok else None
+    ceilings["read_warm"] = loads["warm"].pop("raw")
     floor = measure_floor(group, ckpts["ours-written"], make_state(cfg, group, filled=False), max(cfg.repeat, 5))
     compression = measure_compression(cfg, group, state, make_state(cfg, group, filled=False))
     return {"cold_available": cold_ok, "ceilings": ceilings, "save": saves, "load": loads, "load_floor": floor,
