@@ -95,6 +95,16 @@ def sample_state(seed: int = 0) -> dict:
     }
 
 
+def evict(path: str | os.PathLike[str]) -> None:
+    """Drop a file's pages from the page cache (its own, clean pages: no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def garbage_like(t: torch.Tensor) -> torch.Tensor:
     """A tensor of t's dtype and shape whose every element differs from test data
     (``GARBAGE``; for bool the negation of ``t``)."""

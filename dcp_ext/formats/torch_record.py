@@ -227,6 +227,14 @@ class _TensorPickleReader(pickle.Unpickler):
         return _StorageRef(dtype if dtype is not _UNTYPED else None, key, count)
 
 
+def probed_ranges(length: int) -> list[tuple[int, int]]:
+    """The (start, length) ranges of a record of ``length`` bytes that parsing its layout
+    reads first (``_ProbedRecord``): its head and the rest of its tail."""
+    head = min(length, PROBE_BYTES)
+    tail = max(head, length - PROBE_BYTES)
+    return [(0, head)] + ([(tail, length - tail)] if tail < length else [])
+
+
 class _ProbedRecord(io.RawIOBase):
     """A seekable view of one record served from its probed head and tail bytes."""
 

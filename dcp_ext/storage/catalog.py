@@ -30,7 +30,7 @@ from dcp_ext.formats.data_files import rank_prefix
 from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
-from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, contiguous_strides, numel
+from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, contiguous_strides, numel, probed_ranges
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
 from dcp_ext.runtime.lru import Lru, clear_caches
 from dcp_ext.runtime.threads import StartedPool, in_background
@@ -161,11 +161,15 @@ class Catalog:
 
     def parse_layouts(self, location: Location, indices: Sequence[MetadataIndex], threads: int = 1) -> list[TensorLayout]:
         """``parse_layout`` of many records, recognizing records framed like one parsed
-        before without parsing them (``RecordLayouts``). Runs of a file's records, the
-        file opened once per run, go to up to ``threads`` threads unless the first record's
-        head is in memory: their small reads wait on a cold disk or a remote store (a stock
-        checkpoint one process wrote is one file: its 118 records took 15.7 ms cold on one
-        thread, 10.7 ms on four, while the reads waited)."""
+        before without parsing them (``RecordLayouts``). Unless the first record's head is
+        in memory, storage is asked for the ends of every record at once
+        (``RangeReader.prefetch``: a stock checkpoint one process wrote is one file, and
+        its 1,180 records took 93-100 ms cold, 48 ms prefetched); where it cannot be asked
+        (a remote store), runs of a file's records, the file opened once per run, go to up
+        to ``threads`` threads, so that their small reads wait together. Prefetched, one
+        thread parses faster (48 against 58 ms): parsing is CPU work under the GIL."""
+        if not indices:
+            return []
         files: dict[str, list[MetadataIndex]] = {}
         for index in indices:
             files.setdefault(self.item(index).relative_path, []).append(index)
@@ -178,13 +182,22 @@ class Catalog:
             with location.open_reader(path, run_indices[0].fqn) as reader:
                 return [self._parse_layout(reader, records, index) for index in run_indices]
 
-        if threads > 1 and len(runs) > 1 and not self._cached(location, runs[0][1][0]):
+        cold = not self._cached(location, indices[0])
+        prefetched = cold and all(self._prefetch(location, found) for found in files.values())
+        if cold and not prefetched and threads > 1 and len(runs) > 1:
             with StartedPool(min(threads, len(runs)), "dcp_ext-probe") as pool:
                 parsed = list(pool.map(parse_run, runs))
         else:
             parsed = [parse_run(path_run) for path_run in runs]
         layouts = {index: layout for (_, run_indices), found in zip(runs, parsed) for index, layout in zip(run_indices, found)}
         return [layouts[index] for index in indices]
+
+    def _prefetch(self, location: Location, indices: list[MetadataIndex]) -> bool:
+        """Ask storage for the ends of the records of ``indices`` (one file's) at once;
+        whether it took the request."""
+        with location.open_reader(self.item(indices[0]).relative_path, indices[0].fqn) as reader:
+            return reader.prefetch([(item.offset + start, n) for item in map(self.item, indices)
+                                    for start, n in probed_ranges(item.length)])
 
     def _cached(self, location: Location, index: MetadataIndex) -> bool:
         """Whether the head of ``index``'s record is in memory: then parsing is CPU work,

@@ -561,6 +561,11 @@ class RangeReader(ABC):
         wait for storage; False where that cannot be asked (a remote store)."""
         return False
 
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Say that ``(offset, length)`` ranges will be read soon, so that storage fetches
+        them all at once while the caller goes on; False where that cannot be said."""
+        return False
+
     def close(self) -> None:
         """Release what the reader holds."""
 
@@ -629,6 +634,22 @@ class LocalRangeReader(RangeReader):
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
             self._nowait = None
+        return True
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """``POSIX_FADV_WILLNEED`` for each range, neighbours merged: the kernel queues the
+        reads of them all (exactly their pages, no readahead) and returns."""
+        merged: list[list[int]] = []
+        for offset, length in sorted(ranges):
+            if merged and offset <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], offset + length)
+            else:
+                merged.append([offset, offset + length])
+        try:
+            for start, end in merged:
+                os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        except OSError:  # a file system that takes no advice: read as before
+            return False
         return True
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from dcp_ext.storage.location import (
     Location,
 )
 
-from support import MeteredFileSystem
+from support import MeteredFileSystem, evict
 
 
 
@@ -137,16 +137,6 @@ def test_a_server_that_ignores_range_requests_is_named(tmp_path) -> None:
         server.shutdown()
 
 
-def _evict(path) -> None:
-    """Drop a file's pages from the page cache (its own, clean pages: no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path, monkeypatch) -> None:
     """A range the page cache does not hold is read COLD_READ_BYTES at a time (the kernel
     reads ahead of small reads), a cached one in one call, also when only the range's
@@ -171,15 +161,15 @@ def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path
     try:
         for attempt in ("cold", "ends cached", "warm"):
             if attempt != "warm":
-                _evict(path)
+                evict(path)
             if attempt == "cold":
                 for _ in range(3):  # writeback of a busy machine can keep pages a moment
                     if not reader.holds((start, start + COLD_READ_BYTES - PROBE_BYTES)):
                         break
-                    _evict(path)
+                    evict(path)
                 else:
                     pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
-                _evict(path)  # the probe may have started reading ahead
+                evict(path)  # the probe may have started reading ahead
             if attempt == "ends cached":
                 with open(path, "rb") as f:  # what parsing a stock record's layout reads
                     f.seek(start), f.read(PROBE_BYTES), f.seek(end - PROBE_BYTES), f.read(PROBE_BYTES)

@@ -14,8 +14,10 @@ import os
 import re
 import struct
 import threading
+import uuid
 import zipfile
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,9 +25,10 @@ import torch.distributed.checkpoint as dcp
 from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.torch_record import PROBE_BYTES, RecordLayouts, _save_record, parse_tensor_record
+from dcp_ext.storage import location as location_module
 from dcp_ext.storage.location import LocalRangeReader
 
-from support import garbage, load_error
+from support import evict, garbage, load_error
 
 
 def record(tensor: torch.Tensor, zip_crc: bool = True) -> bytes:
@@ -148,14 +151,15 @@ def test_a_corrupt_record_in_a_later_file_fails_the_load_by_name(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith("dcp_ext-read")]
 
 
-def test_records_not_in_memory_are_probed_on_several_threads_bit_exact(tmp_path, monkeypatch):
-    """A stock checkpoint one process wrote is one file: its records' heads and tails are
-    read by several threads sharing the frames when the page cache lacks them (each read
-    waits on the disk), on the planning thread alone when it holds them (parsing is then
-    CPU work, which threads slow down). Either way every tensor lands bit-exact."""
+def _stock_one_file(tmp_path) -> dict[str, torch.Tensor]:
+    """A stock checkpoint one process wrote: one file of many records (one per tensor)."""
     state = {f"{name}.{n}": make(n).contiguous() for n in range(12) for name, make in KINDS.items() if "view" not in name}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
-    (data_file,) = tmp_path.glob("*.distcp")
+    return state
+
+
+def _note_parsing_threads(monkeypatch) -> list[str]:
+    """The name of the thread that parses each record's layout, in order."""
     parsed_on: list[str] = []
     real_parse = RecordLayouts.parse
 
@@ -164,21 +168,75 @@ def test_records_not_in_memory_are_probed_on_several_threads_bit_exact(tmp_path,
         return real_parse(self, *args)
 
     monkeypatch.setattr(RecordLayouts, "parse", noted)
+    return parsed_on
+
+
+def _load_bit_exact(path: str, state: dict[str, torch.Tensor], **options) -> None:
+    dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
+    dcp.load(dst, storage_reader=ShardReader(path, cache_metadata=False, thread_count=4, **options),
+             planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in state.items():
+        assert torch.equal(dst[key], want), key
+
+
+def _covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether the ``(offset, length)`` ranges cover ``[start, end)``."""
+    for offset, length in sorted(ranges):
+        if offset <= start < offset + length:
+            start = offset + length
+    return start >= end
+
+
+def test_records_not_in_memory_are_prefetched_then_parsed_bit_exact(tmp_path, monkeypatch):
+    """When the page cache lacks a stock file's records, the kernel is asked for the head
+    and tail of every record at once (``POSIX_FADV_WILLNEED``), then the planning thread
+    parses them (CPU work under the GIL, which threads slow down); when it holds them,
+    nothing is asked. Either way every tensor lands bit-exact."""
+    state = _stock_one_file(tmp_path)
+    (data_file,) = tmp_path.glob("*.distcp")
+    stored = dcp.FileSystemReader(tmp_path).read_metadata().storage_data.items()
+    records = [record for index, record in stored if state[index.fqn].numel()]  # an empty one is not parsed
+    parsed_on = _note_parsing_threads(monkeypatch)
+    advised: list[tuple[int, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def noted(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((offset, length))
+        real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(location_module.os, "posix_fadvise", noted)
     for attempt in ("cold", "warm"):
         if attempt == "cold":
-            fd = os.open(data_file, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        parsed_on.clear()
-        dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
-        reader = ShardReader(tmp_path, cache_metadata=False, thread_count=4)
-        dcp.load(dst, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=True)
-        for key, want in state.items():
-            assert torch.equal(dst[key], want), (attempt, key)
+            evict(data_file)
+            if LocalRangeReader(str(data_file)).holds([0]):
+                pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
+            evict(data_file)  # the probe may have started reading ahead
+        parsed_on.clear(), advised.clear()
+        _load_bit_exact(str(tmp_path), state)
         assert len(parsed_on) == sum(v.numel() > 0 for v in state.values())  # an empty one reads nothing
-        probing = {name for name in parsed_on if name.startswith("dcp_ext-probe")}
+        assert not [name for name in parsed_on if name.startswith("dcp_ext-probe")], parsed_on
         if attempt == "warm":
-            assert not probing, parsed_on
-        elif not LocalRangeReader(str(data_file)).holds([0]):  # else tmpfs, or no RWF_NOWAIT here
-            assert len(probing) > 1, parsed_on
+            assert not advised
+            continue
+        assert len(advised) < 2 * len(records), advised  # neighbouring ends asked together
+        for record in records:
+            head, tail = min(record.length, PROBE_BYTES), max(0, record.length - PROBE_BYTES)
+            assert _covered(advised, record.offset, record.offset + head), (record, advised)
+            assert _covered(advised, record.offset + tail, record.offset + record.length), (record, advised)
+
+
+def test_records_of_a_store_that_takes_no_prefetch_are_probed_on_several_threads_bit_exact(tmp_path, monkeypatch):
+    """A remote store cannot be asked to fetch ahead: there the records' heads and tails
+    are read on the reader's threads, sharing the frames, their small reads waiting together."""
+    state = _stock_one_file(tmp_path)
+    fs, root = fsspec.filesystem("memory"), f"/dcp_ext_probe_{uuid.uuid4().hex}"
+    for file in tmp_path.iterdir():
+        fs.pipe(f"{root}/{file.name}", file.read_bytes())
+    parsed_on = _note_parsing_threads(monkeypatch)
+    try:
+        _load_bit_exact(f"memory://{root}", state, require_commit_marker=False)
+    finally:
+        fs.rm(root, recursive=True)
+    assert len(parsed_on) == sum(v.numel() > 0 for v in state.values())
+    assert all(name.startswith("dcp_ext-probe") for name in parsed_on), parsed_on
