@@ -161,8 +161,8 @@ class Catalog:
 
     def parse_layouts(self, location: Location, indices: Sequence[MetadataIndex], threads: int = 1) -> list[TensorLayout]:
         """``parse_layout`` of many records, recognizing records framed like one parsed
-        before without parsing them (``RecordLayouts``). Unless the first record's head is
-        in memory, storage is asked for the ends of every record at once
+        before without parsing them (``RecordLayouts``). For more than one record, unless
+        the first one's head is in memory, storage is asked for the ends of every record at once
         (``RangeReader.prefetch``: a stock checkpoint one process wrote is one file, and
         its 1,180 records took 93-100 ms cold, 48 ms prefetched); where it cannot be asked
         (a remote store), runs of a file's records, the file opened once per run, go to up
@@ -182,7 +182,7 @@ class Catalog:
             with location.open_reader(path, run_indices[0].fqn) as reader:
                 return [self._parse_layout(reader, records, index) for index in run_indices]
 
-        cold = not self._cached(location, indices[0])
+        cold = len(indices) > 1 and not self._cached(location, indices[0])  # one record (verify): nothing to queue
         prefetched = cold and all(self._prefetch(location, found) for found in files.values())
         if cold and not prefetched and threads > 1 and len(runs) > 1:
             with StartedPool(min(threads, len(runs)), "dcp_ext-probe") as pool:
