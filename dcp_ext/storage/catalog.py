@@ -162,42 +162,45 @@ class Catalog:
     def parse_layouts(self, location: Location, indices: Sequence[MetadataIndex], threads: int = 1) -> list[TensorLayout]:
         """``parse_layout`` of many records, recognizing records framed like one parsed
         before without parsing them (``RecordLayouts``). For more than one record, unless
-        the first one's head is in memory, storage is asked for the ends of every record at once
-        (``RangeReader.prefetch``: a stock checkpoint one process wrote is one file, and
-        its 1,180 records took 93-100 ms cold, 48 ms prefetched); where it cannot be asked
-        (a remote store), runs of a file's records, the file opened once per run, go to up
-        to ``threads`` threads, so that their small reads wait together. Prefetched, one
-        thread parses faster (48 against 58 ms): parsing is CPU work under the GIL."""
-        if not indices:
-            return []
+        the first one's head is in memory, storage is asked for the ends of every record of
+        a file at once (``RangeReader.prefetch``: the kernel queues the reads of a local
+        file, an object store's requests go out together), then one thread parses them:
+        a stock checkpoint one process wrote is one file, and its 1,180 records took
+        93-100 ms cold, 48 ms prefetched (and 58 ms parsed on four threads: CPU work under
+        the GIL). Where storage takes no prefetch, runs of the file's records, the file
+        opened once per run, go to up to ``threads`` threads, so their small reads wait
+        together."""
         files: dict[str, list[MetadataIndex]] = {}
         for index in indices:
             files.setdefault(self.item(index).relative_path, []).append(index)
-        run = max(PROBE_RUN_RECORDS, -(-len(indices) // max(1, threads)))
-        runs = [(path, found[i : i + run]) for path, found in files.items() for i in range(0, len(found), run)]
-        records = RecordLayouts()
-
-        def parse_run(path_run: tuple[str, list[MetadataIndex]]) -> list[TensorLayout]:
-            path, run_indices = path_run
-            with location.open_reader(path, run_indices[0].fqn) as reader:
-                return [self._parse_layout(reader, records, index) for index in run_indices]
-
         cold = len(indices) > 1 and not self._cached(location, indices[0])  # one record (verify): nothing to queue
-        prefetched = cold and all(self._prefetch(location, found) for found in files.values())
-        if cold and not prefetched and threads > 1 and len(runs) > 1:
-            with StartedPool(min(threads, len(runs)), "dcp_ext-probe") as pool:
-                parsed = list(pool.map(parse_run, runs))
-        else:
-            parsed = [parse_run(path_run) for path_run in runs]
-        layouts = {index: layout for (_, run_indices), found in zip(runs, parsed) for index, layout in zip(run_indices, found)}
-        return [layouts[index] for index in indices]
+        records = RecordLayouts()
+        layouts: dict[MetadataIndex, TensorLayout] = {}
+        runs: list[list[MetadataIndex]] = []  # of files whose storage took no prefetch
 
-    def _prefetch(self, location: Location, indices: list[MetadataIndex]) -> bool:
-        """Ask storage for the ends of the records of ``indices`` (one file's) at once;
-        whether it took the request."""
-        with location.open_reader(self.item(indices[0]).relative_path, indices[0].fqn) as reader:
-            return reader.prefetch([(item.offset + start, n) for item in map(self.item, indices)
-                                    for start, n in probed_ranges(item.length)])
+        def parse(reader: RangeReader, run: list[MetadataIndex]) -> None:
+            for index in run:
+                layouts[index] = self._parse_layout(reader, records, index)
+
+        def parse_run(run: list[MetadataIndex]) -> None:
+            with location.open_reader(self.item(run[0]).relative_path, run[0].fqn) as reader:
+                parse(reader, run)
+
+        for path, found in files.items():
+            with location.open_reader(path, found[0].fqn) as reader:
+                if not cold or reader.prefetch([(item.offset + start, n) for item in map(self.item, found)
+                                                for start, n in probed_ranges(item.length)]):
+                    parse(reader, found)
+                    continue
+            size = max(PROBE_RUN_RECORDS, -(-len(found) // max(1, threads)))
+            runs += [found[i : i + size] for i in range(0, len(found), size)]
+        if threads > 1 and len(runs) > 1:
+            with StartedPool(min(threads, len(runs)), "dcp_ext-probe") as pool:
+                list(pool.map(parse_run, runs))
+        else:
+            for run in runs:
+                parse_run(run)
+        return [layouts[index] for index in indices]
 
     def _cached(self, location: Location, index: MetadataIndex) -> bool:
         """Whether the head of ``index``'s record is in memory: then parsing is CPU work,

@@ -11,6 +11,7 @@ nothing outside the checkpoint directory is ever read or written.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import functools
@@ -38,6 +39,7 @@ COLD_READ_BYTES = 1 << 20
 PROBE_BYTES = 4096  # read with RWF_NOWAIT to tell whether the page cache holds a range (twice)
 PART_BYTES = 8 << 20  # largest ranged request to a remote store
 BATCH_BYTES = 64 << 20  # bytes one cat_ranges call fetches (held in memory at once)
+PREFETCH_BYTES = 64 << 20  # most bytes a remote reader fetches ahead and holds (``FsspecRangeReader.prefetch``)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # Linux 4.14+
 Run = tuple[int, Sequence[memoryview]]  # (file offset, buffers filled back to back from there)
@@ -579,6 +581,18 @@ class RangeReader(ABC):
         )
 
 
+def merged_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges as ``(start, end)`` spans in order, overlapping and
+    touching ones merged."""
+    spans: list[list[int]] = []
+    for offset, length in sorted(ranges):
+        if spans and offset <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], offset + length)
+        else:
+            spans.append([offset, offset + length])
+    return [(start, end) for start, end in spans]
+
+
 class LocalRangeReader(RangeReader):
     """``preadv`` scatter reads: one syscall fills many buffers, the GIL is released."""
 
@@ -639,14 +653,8 @@ class LocalRangeReader(RangeReader):
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """``POSIX_FADV_WILLNEED`` for each range, neighbours merged: the kernel queues the
         reads of them all (exactly their pages, no readahead) and returns."""
-        merged: list[list[int]] = []
-        for offset, length in sorted(ranges):
-            if merged and offset <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], offset + length)
-            else:
-                merged.append([offset, offset + length])
         try:
-            for start, end in merged:
+            for start, end in merged_ranges(ranges):
                 os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
         except OSError:  # a file system that takes no advice: read as before
             return False
@@ -664,9 +672,33 @@ class FsspecRangeReader(RangeReader):
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
         self.fs, self.path = fs, path
         self.url = fs.unstrip_protocol(path)
+        self._fetched: list[tuple[int, bytes]] = []  # prefetched spans, by start
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        at = bisect.bisect_right(self._fetched, offset, key=lambda span: span[0]) - 1
+        if at >= 0 and offset + nbytes <= self._fetched[at][0] + len(self._fetched[at][1]):
+            start, data = self._fetched[at]
+            pos = offset - start
+            for buf in buffers:
+                view = memoryview(buf).cast("B")
+                view[:] = data[pos : pos + view.nbytes]
+                pos += view.nbytes
+            return nbytes
         return self.read_runs([(offset, buffers)])
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Fetch the ranges now, in batches an async filesystem (s3fs, gcsfs) sends
+        concurrently, and answer this reader's reads inside them from memory: a stock
+        record's two ends are two round trips each otherwise (a synchronous filesystem,
+        or more than PREFETCH_BYTES, is not prefetched)."""
+        spans = merged_ranges(ranges)
+        if not getattr(self.fs, "async_impl", False) or sum(end - start for start, end in spans) > PREFETCH_BYTES:
+            return False
+        fetched = [(start, bytearray(end - start)) for start, end in spans]
+        self.read_runs([(start, [memoryview(data)]) for start, data in fetched])
+        self._fetched = [(start, bytes(data)) for start, data in fetched]
+        return True
 
     @store_errors
     def read_runs(self, runs: Sequence[Run]) -> int:

@@ -499,16 +499,21 @@ class ShardReader(StorageReader):
                 raise file_too_short(self._where(path, key), end, size)
 
     def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
-        """The tensor layout of each plan item's record (None: read whole, a bytes item or a
-        transformed record). Stock records are parsed once each, all from one open file
-        and most recognized by their frame (``Catalog.parse_layouts``): the items are one
-        file's."""
+        """The tensor layout of each plan item's record (None: read whole, a bytes item, a
+        transformed record, or a stock record on a remote store that ``_cheaper_whole``
+        picks). Stock records are parsed once each, all from one open file and most
+        recognized by their frame (``Catalog.parse_layouts``): the items are one file's."""
         layouts: list[TensorLayout | None] = []
         missing: dict[Any, list[int]] = {}  # records whose layout the metadata does not give
+        # (a verified read keeps to the probe: it tells a record that carries no CRC-32 from a corrupt one)
+        remote = not self.location.is_local and catalog.format == "dcp" and not self.verify_checksums
         for read_item, record in zip(items, stored):
             layout = None
             if read_item.type != LoadItemType.BYTE_IO and not record.transforms:
                 layout = catalog.known_layout(read_item.storage_index, record)
+                if layout is None and remote and self._cheaper_whole(catalog, read_item):
+                    layouts.append(None)
+                    continue
                 if layout is None or (self.verify_checksums and record.checksum is None and layout.payload_crc32 is None):
                     # a verified read of a record without CRC32C in the index needs its zip CRC-32:
                     # our index gives its layout but not that (checksums=False), the record does
@@ -525,6 +530,15 @@ class ShardReader(StorageReader):
                 layouts[i] = layout if known is None else dataclasses.replace(known, payload_crc32=layout.payload_crc32)
         return layouts
 
+    @staticmethod
+    def _cheaper_whole(catalog: Catalog, read_item: ReadItem) -> bool:
+        """Whether a stock record on a remote store is read whole rather than probed: a
+        read of the whole chunk needs all of the record but its zip headers, and the
+        probe of its two ends is a round trip before its bytes can be asked for (stock
+        reads a record in one). A part of a chunk (a resharded load) is read alone, after
+        the ends of the file's records were fetched together (``parse_layouts``)."""
+        return tuple(read_item.lengths) == tuple(catalog.chunk(read_item.storage_index)[1].sizes)
+
     def _plan_item(
         self,
         catalog: Catalog,
@@ -540,11 +554,10 @@ class ShardReader(StorageReader):
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(data)))
             return []
         where = self._where(stored.relative_path, index.fqn)
-        if read_item.type == LoadItemType.BYTE_IO or stored.transforms:
+        if layout is None:  # a bytes item, a transformed record, a stock one on a remote store (``_layouts``)
             return [self._plan_whole_record(stored, read_item, planner, where, commits)]
         dest = self._destination(read_item, planner, where)
         commits.append(lambda: planner.commit_tensor(read_item, dest))
-        assert layout is not None  # a tensor record read in place
         return tensor_requests(
             stored,
             layout,

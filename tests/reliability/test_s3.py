@@ -29,7 +29,9 @@ from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import rank_failure
 from dcp_ext.formats.index import PREVIOUS_INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
+from dcp_ext.formats.torch_record import RecordLayouts
 from dcp_ext.runtime.crash import CRASH_ENV
+from dcp_ext.storage.location import FsspecRangeReader
 from dcp_ext.storage.verify import verify_checkpoint
 
 from mp import WorkerError, run_job
@@ -149,6 +151,30 @@ def test_stock_checkpoint_on_s3_loads_without_a_marker(s3, url):
     got, reader = load(state, url, storage_options=s3.options)
     assert_state_dict_equal(got, state)
     assert not reader.catalog.indexed and reader.catalog.committed
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_stock_records_on_s3_are_fetched_in_one_request_or_probed_together(s3, url, monkeypatch, verify):
+    """Stock records on S3 (an async filesystem): a load of whole chunks fetches each record
+    in one request and copies its box out on landing, with no probe of its ends; a
+    verified load (which keeps to the probe) fetches the ends of all of the file's records
+    in one batch of concurrent requests and parses them from memory on the planning
+    thread, where each end was a round trip of its own. Bit-exact both ways."""
+    state = {f"w{i}": torch.randn(64, 32 + i) for i in range(40)}
+    dcp.save(state, storage_writer=FsspecWriter(url, **s3.options))
+    parsed_on: list[str] = []
+    real_parse = RecordLayouts.parse
+    monkeypatch.setattr(RecordLayouts, "parse", lambda self, *a: parsed_on.append(threading.current_thread().name) or real_parse(self, *a))
+    requests: list[int] = []  # ranges per batch of concurrent requests
+    real_read_runs = FsspecRangeReader.read_runs
+    monkeypatch.setattr(FsspecRangeReader, "read_runs", lambda self, runs: requests.append(len(runs)) or real_read_runs(self, runs))
+    got, reader = load(state, url, storage_options=s3.options, verify_checksums=verify)
+    assert_state_dict_equal(got, state)
+    if not verify:
+        assert parsed_on == [] and sum(requests) <= len(state), requests  # at most a request a record (neighbours merge)
+        return
+    assert parsed_on == ["MainThread"] * len(state)
+    assert len(requests) < len(state), requests  # the ends in one batch, then the reads
 
 
 def test_checkpoint_without_marker_is_refused_unless_opted_out(s3, url):
