@@ -163,31 +163,34 @@ def copy_record_box(
     dest: torch.Tensor,
     where: str,
     verify: bool,
+    decoded: bool = True,
 ) -> None:
-    """Copy a box of the tensor in a decoded ``torch.save`` record into ``dest``, straight
-    out of the record's bytes (``torch.load`` would copy the whole tensor out first: a
-    load of compressed records held each one twice).
+    """Copy a box of the tensor in a ``torch.save`` record (``decoded`` from its stored
+    transforms, or read as stored) into ``dest``, straight out of the record's bytes
+    (``torch.load`` would copy the whole tensor out first: a load of compressed records
+    held each one twice).
 
     ``chunk``: the (dtype, shape) the metadata gives the stored chunk, which the record must
     hold (a record of another key would be cast or copied in part). ``verify`` checks the
     CRC-32 of every zip entry of the record (what stock records carry).
     """
+    what = f"{where}: {'decoded record' if decoded else 'record'}"
     if verify:
         try:
             bad = zipfile.ZipFile(io.BytesIO(record)).testzip()
         except (zipfile.BadZipFile, zlib.error) as exc:
-            raise CorruptCheckpointError(f"{where}: decoded record is no torch.save archive ({exc})") from None
+            raise CorruptCheckpointError(f"{what} is no torch.save archive ({exc})") from None
         if bad is not None:
             raise ChecksumMismatchError(f"{where}: crc32 mismatch in record entry {bad!r}; the stored bytes are corrupt")
     data = memoryview(record)
-    layout = parse_tensor_record(len(data), lambda at, n: bytes(data[at : at + n]), f"{where}: decoded record")
+    layout = parse_tensor_record(len(data), lambda at, n: bytes(data[at : at + n]), what)
     check_holds(layout, *chunk, where)
     end = layout.payload_offset + layout.payload_nbytes
     if end > len(data) or layout.payload_nbytes % layout.dtype.itemsize:
-        raise CorruptCheckpointError(f"{where}: decoded record holds no tensor within its bytes")
+        raise CorruptCheckpointError(f"{what} holds no tensor within its bytes")
     count = layout.payload_nbytes // layout.dtype.itemsize
     check_within_storage(layout, count, where)
-    with warnings.catch_warnings():  # a decoded record is read-only bytes, and only read here
+    with warnings.catch_warnings():  # the record is read-only bytes, and only read here
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.frombuffer(data, dtype=layout.dtype, count=count, offset=layout.payload_offset) if count else (
             torch.empty(0, dtype=layout.dtype))

@@ -572,8 +572,9 @@ class ShardReader(StorageReader):
     def _plan_whole_record(
         self, stored: StoredItem, read_item: ReadItem, planner: LoadPlanner, where: str, commits: list[Callable[[], None]]
     ) -> Request:
-        """Bytes items and records stored through stream transforms are read whole; a
-        transformed record is decoded once it lands and its box copied out right there (the
+        """Bytes items, records stored through stream transforms and stock records a load
+        from a remote store needs whole (``_cheaper_whole``) are read whole; a tensor record
+        is decoded (if transformed) once it lands and its box copied out right there (the
         reading thread), so only the records in flight are held. A bytes item goes to the
         planner with the commits, on the calling thread."""
         fqn = read_item.storage_index.fqn
@@ -587,7 +588,8 @@ class ShardReader(StorageReader):
         stored_as = (md.properties.dtype, tuple(chunk.sizes))
         box = (tuple(read_item.storage_offsets), tuple(read_item.lengths))
         commits.append(lambda: planner.commit_tensor(read_item, dest))
-        copy_box = lambda record: copy_record_box(record, stored_as, *box, dest, where, self.verify_checksums)  # noqa: E731
+        copy_box = lambda record: copy_record_box(  # noqa: E731
+            record, stored_as, *box, dest, where, self.verify_checksums, decoded=bool(stored.transforms))
         return whole_record_request(stored, fqn, where, self.verify_checksums, copy_box, limit)
 
     def _destination(self, read_item: ReadItem, planner: LoadPlanner, where: str) -> torch.Tensor:
