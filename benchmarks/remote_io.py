@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import statistics
 import subprocess
@@ -55,17 +56,25 @@ def start_server() -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"}}
-    fs = fsspec.filesystem("s3", **options)
-    for _ in range(100):  # the server takes a few seconds to start
-        try:
-            fs.mkdir(BUCKET)
-            return server, options
-        except OSError:
-            time.sleep(0.1)
+    try:
+        options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
+                   "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-west-2"}}
+        fs = fsspec.filesystem("s3", **options)
+        for _ in range(100):  # the server takes a few seconds to start
+            try:
+                fs.mkdir(BUCKET)
+                return server, options
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("moto's S3 server did not start")
+    except BaseException:  # an interrupt while it starts leaves no server behind
+        stop_server(server)
+        raise
+
+
+def stop_server(server: subprocess.Popen[bytes]) -> None:
     server.kill()
-    raise RuntimeError("moto's S3 server did not start")
+    server.wait()
 
 
 def measure(options: dict[str, Any], repeat: int, file_per_item: bool) -> dict[str, Any]:
@@ -117,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--file-per-item", action="store_true", help="stock checkpoint with one object per tensor")
     parser.add_argument("--json", type=output_file, default=str(Path(__file__).parent / "results" / "remote_io.json"))
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a kill stops the server too
     server, options = start_server()
     try:
         res = measure(options, args.repeat, args.file_per_item)
     finally:
-        server.kill()
-        server.wait()
+        stop_server(server)
     report(res)
     Path(args.json).write_text(json.dumps(res, indent=2))
     print(f"\nresults: {args.json}", file=sys.stderr)

@@ -257,6 +257,8 @@ class _ProbedRecord(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        if not 0 <= base + offset <= self.length:  # a zip offset pointing outside the record
+            raise ValueError(f"zip directory points at byte {base + offset}, outside the record's {self.length}")
         self.pos = base + offset
         return self.pos
 
@@ -346,6 +348,10 @@ def _parse(probe: _ProbedRecord, where: str) -> _Parsed:
         with zipfile.ZipFile(probe) as archive:
             infos, start_dir = archive.infolist(), archive.start_dir
             entries = {info.filename.split("/", 1)[-1]: info for info in infos}
+        if min((info.header_offset for info in infos), default=0) != 0:
+            # zipfile reads an archive with bytes before it (another record, where a length
+            # in the metadata spans two): the tensor would be the later record's
+            raise CorruptCheckpointError("record does not begin with its zip archive (its stored length is wrong?)")
         # every CRC-32 is 0 where torch.save was told not to compute them (ours, whose CRC32C
         # the index holds: ``_save_record``); a computed one is 0 once in 2**32
         crcs = any(info.CRC for info in entries.values())

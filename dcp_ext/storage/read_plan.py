@@ -174,7 +174,7 @@ def copy_record_box(
     hold (a record of another key would be cast or copied in part). ``verify`` checks the
     CRC-32 of every zip entry of the record (what stock records carry).
     """
-    what = f"{where}: {'decoded record' if decoded else 'record'}"
+    what = f"{where}: decoded record" if decoded else where
     if verify:
         try:
             bad = zipfile.ZipFile(io.BytesIO(record)).testzip()

@@ -54,6 +54,8 @@ from dcp_ext.storage.shared_metadata import open_shared_catalog
 if TYPE_CHECKING:
     from dcp_ext.megatron.base import MegatronOptions
 
+REMOTE_WHOLE_RECORD_BYTES = 8 << 20  # largest stock record read whole from a networked store (one request)
+
 
 @dataclasses.dataclass
 class ReadStats:
@@ -500,18 +502,18 @@ class ShardReader(StorageReader):
 
     def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
         """The tensor layout of each plan item's record (None: read whole, a bytes item, a
-        transformed record, or a stock record on a remote store that ``_cheaper_whole``
+        transformed record, or a stock record on a networked store that ``_cheaper_whole``
         picks). Stock records are parsed once each, all from one open file and most
         recognized by their frame (``Catalog.parse_layouts``): the items are one file's."""
         layouts: list[TensorLayout | None] = []
         missing: dict[Any, list[int]] = {}  # records whose layout the metadata does not give
         # (a verified read keeps to the probe: it tells a record that carries no CRC-32 from a corrupt one)
-        remote = not self.location.is_local and catalog.format == "dcp" and not self.verify_checksums
+        remote = self.location.networked and catalog.format == "dcp" and not self.verify_checksums
         for read_item, record in zip(items, stored):
             layout = None
             if read_item.type != LoadItemType.BYTE_IO and not record.transforms:
                 layout = catalog.known_layout(read_item.storage_index, record)
-                if layout is None and remote and self._cheaper_whole(catalog, read_item):
+                if layout is None and remote and self._cheaper_whole(catalog, read_item, record):
                     layouts.append(None)
                     continue
                 if layout is None or (self.verify_checksums and record.checksum is None and layout.payload_crc32 is None):
@@ -531,12 +533,15 @@ class ShardReader(StorageReader):
         return layouts
 
     @staticmethod
-    def _cheaper_whole(catalog: Catalog, read_item: ReadItem) -> bool:
-        """Whether a stock record on a remote store is read whole rather than probed: a
-        read of the whole chunk needs all of the record but its zip headers, and the
-        probe of its two ends is a round trip before its bytes can be asked for (stock
-        reads a record in one). A part of a chunk (a resharded load) is read alone, after
-        the ends of the file's records were fetched together (``parse_layouts``)."""
+    def _cheaper_whole(catalog: Catalog, read_item: ReadItem, record: StoredItem) -> bool:
+        """Whether a stock record on a networked store is read whole rather than probed:
+        a small one the read needs whole (all of it but its zip headers), whose two ends
+        would be a round trip before its bytes could be asked for (stock reads a record in
+        one request). A larger record, or a part of a chunk (a resharded load), is read
+        into its destination, after the ends of the file's records were fetched together
+        (``parse_layouts``): a whole record is held in memory until its box is copied out."""
+        if record.length > REMOTE_WHOLE_RECORD_BYTES:
+            return False
         return tuple(read_item.lengths) == tuple(catalog.chunk(read_item.storage_index)[1].sizes)
 
     def _plan_item(
@@ -554,7 +559,7 @@ class ShardReader(StorageReader):
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(data)))
             return []
         where = self._where(stored.relative_path, index.fqn)
-        if layout is None:  # a bytes item, a transformed record, a stock one on a remote store (``_layouts``)
+        if layout is None:  # a bytes item, a transformed record, a stock one on a networked store (``_layouts``)
             return [self._plan_whole_record(stored, read_item, planner, where, commits)]
         dest = self._destination(read_item, planner, where)
         commits.append(lambda: planner.commit_tensor(read_item, dest))
@@ -572,8 +577,8 @@ class ShardReader(StorageReader):
     def _plan_whole_record(
         self, stored: StoredItem, read_item: ReadItem, planner: LoadPlanner, where: str, commits: list[Callable[[], None]]
     ) -> Request:
-        """Bytes items, records stored through stream transforms and stock records a load
-        from a remote store needs whole (``_cheaper_whole``) are read whole; a tensor record
+        """Bytes items, records stored through stream transforms and small stock records a
+        load from a networked store needs whole (``_cheaper_whole``) are read whole; a tensor record
         is decoded (if transformed) once it lands and its box copied out right there (the
         reading thread), so only the records in flight are held. A bytes item goes to the
         planner with the commits, on the calling thread."""

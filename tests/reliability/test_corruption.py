@@ -14,7 +14,9 @@ and swapped files to copies of one checkpoint. For every case:
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -286,3 +288,32 @@ def test_a_symlink_loop_in_place_of_a_metadata_file_is_named(tmp_path, name, cap
     assert f"{tmp_path}: {name} is a symbolic link that loops, expected a file" in str(error), repr(error)
     assert cli(["verify", str(tmp_path)]) == 1
     assert f"FAULT {tmp_path}: {name} is a symbolic link that loops" in capsys.readouterr().out
+
+
+def _stock_pair_with(tmp_path, change) -> dict[str, torch.Tensor]:
+    """A stock checkpoint of 'a' and 'b' (one shape, one file, 'b' right after 'a'),
+    whose pickled ``.metadata`` then gets ``change(storage_data, index_of_a, index_of_b)``."""
+    g = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(8, 8, generator=g), "b": torch.randn(8, 8, generator=g)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    path = tmp_path / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    ka, kb = (next(k for k in metadata.storage_data if k.fqn == fqn) for fqn in ("a", "b"))
+    change(metadata.storage_data, ka, kb)
+    path.write_bytes(pickle.dumps(metadata))
+    return state
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_stored_length_spanning_the_next_record_is_refused_not_read_as_it(tmp_path, verify):
+    """``.metadata`` giving record 'a' a length that covers 'b' too: zipfile reads such a
+    span as 'b''s archive with bytes before it, and 'a' was silently loaded with 'b''s
+    values (stock reads 'a' right: torch.load starts at the record's first byte). The
+    archive must begin at the record's first byte."""
+    def span_both(data, ka, kb):
+        data[ka] = dataclasses.replace(data[ka], length=data[ka].length + data[kb].length)
+
+    state = _stock_pair_with(tmp_path, span_both)
+    error = load_error(state, tmp_path, verify_checksums=verify)
+    assert isinstance(error, CorruptCheckpointError), error
+    assert "key 'a'" in str(error) and "does not begin with its zip archive" in str(error), error
