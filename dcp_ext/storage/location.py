@@ -517,7 +517,7 @@ class FsspecLocation(Location):
         return self.fs.open(full, "rb")  # type: ignore[no-any-return]
 
     def _range_reader(self, full: str) -> RangeReader:
-        return FsspecRangeReader(self.fs, full)
+        return FsspecRangeReader(self.fs, full, self.networked)
 
     @store_errors
     def makedirs(self) -> bool:
@@ -673,10 +673,11 @@ class FsspecRangeReader(RangeReader):
     read-ahead), all runs of a call in one batch that async filesystems (s3fs, gcsfs)
     fetch concurrently."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, concurrent: bool = False):
         self.fs, self.path = fs, path
         self.url = fs.unstrip_protocol(path)
-        self._fetched: list[tuple[int, bytes]] = []  # prefetched spans, by start
+        self.concurrent = concurrent  # the filesystem sends a batch's requests at once (``Location.networked``)
+        self._fetched: list[tuple[int, bytearray]] = []  # prefetched spans, by start
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         nbytes = sum(memoryview(b).nbytes for b in buffers)
@@ -697,11 +698,11 @@ class FsspecRangeReader(RangeReader):
         record's two ends are two round trips each otherwise (a synchronous filesystem,
         or more than PREFETCH_BYTES, is not prefetched)."""
         spans = merged_ranges(ranges)
-        if not getattr(self.fs, "async_impl", False) or sum(end - start for start, end in spans) > PREFETCH_BYTES:
+        if not self.concurrent or sum(end - start for start, end in spans) > PREFETCH_BYTES:
             return False
         fetched = [(start, bytearray(end - start)) for start, end in spans]
         self.read_runs([(start, [memoryview(data)]) for start, data in fetched])
-        self._fetched = [(start, bytes(data)) for start, data in fetched]
+        self._fetched = fetched
         return True
 
     @store_errors

@@ -508,12 +508,12 @@ class ShardReader(StorageReader):
         layouts: list[TensorLayout | None] = []
         missing: dict[Any, list[int]] = {}  # records whose layout the metadata does not give
         # (a verified read keeps to the probe: it tells a record that carries no CRC-32 from a corrupt one)
-        remote = self.location.networked and catalog.format == "dcp" and not self.verify_checksums
+        networked = self.location.networked and catalog.format == "dcp" and not self.verify_checksums
         for read_item, record in zip(items, stored):
             layout = None
             if read_item.type != LoadItemType.BYTE_IO and not record.transforms:
                 layout = catalog.known_layout(read_item.storage_index, record)
-                if layout is None and remote and self._cheaper_whole(catalog, read_item, record):
+                if layout is None and networked and self._cheaper_whole(catalog, read_item, record):
                     layouts.append(None)
                     continue
                 if layout is None or (self.verify_checksums and record.checksum is None and layout.payload_crc32 is None):
