@@ -6,8 +6,8 @@ Measures, on a deterministic state dict of mixed tensor sizes (default ~1 GiB):
     with a cold and a warm page cache (timed at the start of every round of loads, in the
     loads' cache state: ratios to it hold while the VM's disk and memory drift), and
     memcpy (``Tensor.copy_``);
-(b) saves: stock ``FileSystemWriter`` versus ``ShardWriter`` (checksums and atomic commit on)
-    versus the raw ceiling at equal thread counts: the same bytes written by T threads into
+(b) saves: stock ``FileSystemWriter`` (DCP's default planner) versus ``ShardWriter`` with
+    ``ShardSavePlanner`` (checksums and atomic commit on) versus the raw ceiling at equal thread counts: the same bytes written by T threads into
     T files with fsync ("raw"), and that plus the CRC32C pass our records need ("raw+crc";
     they carry no zip CRC-32, which stock's records pay for), all interleaved; CPU seconds of each;
 (c) loads into preallocated tensors: stock ``FileSystemReader`` (DCP's default planner) versus
@@ -56,12 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from cli_args import existing_dir, output_file, positive_float, positive_int
 
 GB = 1e9
@@ -404,6 +404,11 @@ def make_planner(kind: str) -> LoadPlanner | None:
     return None if kind == "stock" else ShardLoadPlanner()
 
 
+def make_save_planner(kind: str) -> SavePlanner | None:
+    """Each writer with its documented planner: DCP's default for stock, ShardSavePlanner for ours."""
+    return None if kind == "stock" else ShardSavePlanner()
+
+
 def reader_bytes(reader: StorageReader) -> int:
     """Data bytes the reader read during its last load on this rank."""
     if isinstance(reader, CountingFileSystemReader):
@@ -474,7 +479,8 @@ def save_sample(group: Group, kind: str, threads: int, path: Path, state: dict[s
         run = lambda: raw_save(path, buckets, checksums=kind == "raw+crc")  # noqa: E731
     else:
         writer = make_writer(kind, path, threads)
-        run = lambda: dcp.save(state, storage_writer=writer, no_dist=group.no_dist)  # noqa: E731
+        planner = make_save_planner(kind)
+        run = lambda: dcp.save(state, storage_writer=writer, planner=planner, no_dist=group.no_dist)  # noqa: E731
     before = cpu_seconds()
     seconds = timed(group, run)
     return seconds, sum(group.gather(cpu_seconds() - before))
@@ -618,7 +624,8 @@ def measure_compression(cfg: Config, group: Group, state: dict[str, torch.Tensor
             shutil.rmtree(path)
         drop_caches(group)
         writer = ShardWriter(path, thread_count=threads, sync_files=True, compression="zstd")
-        save_s.append(timed(group, lambda: dcp.save(state, storage_writer=writer, no_dist=group.no_dist)))
+        save_s.append(timed(group, lambda: dcp.save(state, storage_writer=writer, planner=make_save_planner("ours"),
+                                                     no_dist=group.no_dist)))
     warm_cache(group, path)
     for _ in range(cfg.repeat):
         reader = ShardReader(path, cache_metadata=False)

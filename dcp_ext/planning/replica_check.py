@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import ReplicaMismatchError  # noqa: F401 - raised by the replica checks that import it from here
 from dcp_ext.planning.placements import axis_name, describe_mesh
@@ -56,11 +57,15 @@ def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, numel - 1, SAMPLES, dtype=torch.float64).long().to(device)
 
 
-def chunk_digest_rows(items: list[WriteItem], lookup: Callable[[MetadataIndex], object]) -> np.ndarray:
+def chunk_digest_rows(
+    items: list[WriteItem], lookup: Callable[[MetadataIndex], object], rows: Iterable[int] | None = None
+) -> np.ndarray:
     """(len(items), 2) uint64: the digest of every tensor chunk in ``items`` (``lookup``
-    finds the data); zero rows where there is nothing comparable (non-tensor items)."""
+    finds the data), or of the chunks at ``rows`` alone; zero rows where there is nothing
+    comparable (non-tensor items) or no digest was asked for."""
     out = np.zeros((len(items), 2), np.uint64)
-    for row, item in enumerate(items):
+    for row in range(len(items)) if rows is None else rows:
+        item = items[row]
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             continue
         tensor = lookup(item.index)
@@ -68,6 +73,13 @@ def chunk_digest_rows(items: list[WriteItem], lookup: Callable[[MetadataIndex], 
             continue  # nothing comparable at hand; the check stays silent for this chunk
         out[row] = np.frombuffer(chunk_digest(tensor), np.uint64)
     return out
+
+
+def held_alone(obj: object, world: int) -> bool:
+    """Whether no other rank can declare a chunk of ``obj`` under the same offsets: a DTensor
+    sharded on every dimension of a mesh that spans all ``world`` ranks of the job holds a
+    region of its own on each rank (only empty shards can share offsets, with no data to compare)."""
+    return isinstance(obj, DTensor) and obj.device_mesh.size() == world and all(p.is_shard() for p in obj.placements)
 
 
 def mismatch_message(conflicts: list[tuple[ChunkKey, list[list[int]]]], total: int, mesh: DeviceMesh | None) -> str:

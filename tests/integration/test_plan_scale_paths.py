@@ -1,7 +1,8 @@
 """The planning paths built for scale, run for real: 4 gloo processes, real files.
 
 Save: ranks agree on table digests before DCP's gather, so the second save of an unchanged
-HSDP layout sends no table and one hash per replica class (a few hundred bytes per rank);
+HSDP layout sends no table and one hash per replica class (a few hundred bytes per rank),
+and digests only the chunks another rank also holds;
 a coordinator that lost its cache (a restart) gets every distinct table once and plans
 afresh; a replica that differs is still refused under a reused plan. Every save loads back
 bit-exact. Load: the index is decoded per key on demand, and a load of a subset of keys
@@ -41,6 +42,11 @@ class _Probe(ShardSavePlanner):
         self.sent_hashes = plan.unit_hashes is not None
         return plan
 
+    def _rows_to_digest(self, items, units):
+        rows = super()._rows_to_digest(items, units)
+        self.digested = sorted(items[row].index.fqn for row in rows)
+        return rows
+
 
 def _state(mesh, seed: int, skew_rank: int | None = None) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -71,7 +77,8 @@ def _save_and_check(mesh, path: str, seed: int) -> dict:
     }
     dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
     assert_state_dict_equal(_local(got), _local(state))
-    return {"bytes": planner.sent_bytes, "table": planner.sent_table, "hashes": planner.sent_hashes, "reused": planner.plan_reused}
+    return {"bytes": planner.sent_bytes, "table": planner.sent_table, "hashes": planner.sent_hashes, "reused": planner.plan_reused,
+            "digested": planner.digested}
 
 
 def digest_job(rank: int, world_size: int, path: str) -> dict:
@@ -111,10 +118,59 @@ def test_unchanged_layout_sends_digests_and_a_restarted_coordinator_still_plans(
     assert [r["restarted"]["table"] for r in results] == [True, True, False, False]
     assert [r["restarted"]["hashes"] for r in results] == [False] * 4
     assert results[0]["restarted"]["reused"] is False
+    for r in results:  # every chunk has a twin: all digested, also under the reused plan's units
+        assert r["first"]["digested"] == r["same"]["digested"] == r["restarted"]["digested"] == ["b", "norm", "w"], r
     # rank 2 holds other data for the chunk rank 0 also holds: refused by the per-class hashes
     assert results[0]["alone"] is True
     for r in results:
         assert "different data" in r["skew"] and "'w'" in r["skew"] and "ranks [0]" in r["skew"], r["skew"]
+
+
+def _mixed_state(mesh, seed: int, skew: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "fsdp": distribute_tensor(torch.randn(6, 4, generator=g), mesh, [Shard(0)], src_data_rank=None),
+        "rep": distribute_tensor(torch.randn(3, 2, generator=g), mesh, [Replicate()], src_data_rank=None),
+        "plain": torch.randn(5, generator=g),
+    }
+    if skew and torch.distributed.get_rank() == 1:
+        state["rep"] = DTensor.from_local(state["rep"].to_local() + 1, mesh, [Replicate()], run_check=False)
+    return state
+
+
+def held_alone_job(rank: int, world_size: int, path: str) -> dict:
+    clear_plan_cache()
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict = {}
+    for label, group in (("no group", None), ("group", torch.distributed.group.WORLD)):
+        for save in ("first", "reused"):
+            state = _mixed_state(mesh, len(out))
+            planner = _Probe(group=group)
+            dcp.save(state, storage_writer=ShardWriter(path), planner=planner)
+            got = {k: distribute_tensor(garbage_like(v.full_tensor()), mesh, v.placements, src_data_rank=None)
+                   if isinstance(v, DTensor) else garbage_like(v) for k, v in state.items()}
+            dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
+            assert_state_dict_equal(_local(got), _local(state))
+            out[f"{label} {save}"] = (planner.digested, planner.sent_hashes)
+        try:
+            dcp.save(_mixed_state(mesh, 9, skew=True), storage_writer=ShardWriter(path), planner=ShardSavePlanner(group=group))
+            out[f"{label} skew"] = "saved"
+        except CheckpointException as exc:
+            out[f"{label} skew"] = str(exc)
+    return out
+
+
+@pytest.mark.mp
+def test_chunks_of_a_dtensor_sharded_over_the_job_are_not_digested(tmp_path):
+    """Only chunks another rank also declares are compared: a DTensor sharded over every
+    rank has none, so its chunks cost no digest, whether or not the plan is reused."""
+    results = run_job(held_alone_job, 2, str(tmp_path / "ckpt"))
+    for r in results:
+        for label in ("no group first", "no group reused", "group first", "group reused"):
+            assert r[label][0] == ["plain", "rep"], (label, r)
+        assert r["group reused"][1] is True  # the reused plan's hashes, over the units' rows
+    for label in ("no group skew", "group skew"):
+        assert "different data" in results[0][label] and "'rep'" in results[0][label], results[0][label]
 
 
 # -- load: per-key decode of the index -------------------------------------------------------
