@@ -34,6 +34,7 @@ that fails cold figures are reported as unavailable and resharded loads run warm
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -274,7 +275,13 @@ def drop_caches(group: Group) -> bool:
 
 
 def timed(group: Group, fn: Callable[[], object]) -> float:
-    """Wall seconds of ``fn`` on all ranks, between two barriers."""
+    """Wall seconds of ``fn`` on all ranks, between two barriers, from a collected heap.
+
+    The collection (untimed) keeps one sample's garbage out of the next: a full collection
+    (~120 ms in this process) otherwise lands in whichever sample crosses CPython's
+    threshold, and stock's loads cross it every ~2.5 loads (benchmarks/gc_pauses.py
+    measures what each path's own allocations cost in full collections)."""
+    gc.collect()
     group.barrier()
     start = time.perf_counter()
     fn()
