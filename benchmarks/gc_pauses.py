@@ -5,8 +5,8 @@ that has imported torch and holds a 1 GiB state dict). CPython runs one once the
 that survived younger collections since the last one pass a quarter of the long-lived
 ones, so its cost falls on whichever save or load crosses that line, and the pause per
 operation, amortized, is set by how many objects each operation keeps alive long enough.
-io_throughput.py collects before every timed sample to keep this noise out of its ratios;
-this benchmark measures it: each path saves (then loads) ``--ops`` times back to back
+io_throughput.py times its samples with the collector off to keep this noise out of its
+ratios; this benchmark measures it: each path saves (then loads) ``--ops`` times back to back
 from a collected heap, and a ``gc.callbacks`` hook counts and times the collections.
 
 Stock is ``FileSystemWriter``/``FileSystemReader`` with DCP's default planners; ours is

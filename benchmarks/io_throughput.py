@@ -275,18 +275,23 @@ def drop_caches(group: Group) -> bool:
 
 
 def timed(group: Group, fn: Callable[[], object]) -> float:
-    """Wall seconds of ``fn`` on all ranks, between two barriers, from a collected heap.
-
-    The collection (untimed) keeps one sample's garbage out of the next: a full collection
-    (~120 ms in this process) otherwise lands in whichever sample crosses CPython's
-    threshold, and stock's loads cross it every ~2.5 loads (benchmarks/gc_pauses.py
-    measures what each path's own allocations cost in full collections)."""
-    gc.collect()
-    group.barrier()
-    start = time.perf_counter()
-    fn()
-    group.barrier()
-    return time.perf_counter() - start
+    """Wall seconds of ``fn`` on all ranks, between two barriers, with the cyclic garbage
+    collector off, as ``timeit`` times: a full collection (~120 ms in this process)
+    otherwise lands in whichever sample crosses CPython's threshold, and stock's loads
+    cross it every ~2.5 loads. (Collecting before each sample instead left the CPU caches
+    cold: a 0.12 GB load took 1.9 ms longer.) benchmarks/gc_pauses.py measures what each
+    path's own allocations cost in collections."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        group.barrier()
+        start = time.perf_counter()
+        fn()
+        group.barrier()
+        return time.perf_counter() - start
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def proc_rchar() -> int:
@@ -564,7 +569,8 @@ def measure_loads(
     raw: RawRead | None = None,
 ) -> dict[str, Any]:
     """Both readers on each checkpoint in each mode ("cold"/"warm"), ``repeat`` times,
-    interleaved; with ``raw``, each round reads the raw file first (``[mode]["raw"]``).
+    interleaved (every other round in reverse order); with ``raw``, each round reads the
+    raw file first (``[mode]["raw"]``).
 
     The first repeat of each case loads into zeroed tensors and is verified.
     """
@@ -580,7 +586,9 @@ def measure_loads(
         for rep in range(repeat):
             if raw is not None:
                 raw_s.append(raw.read(cold=mode == "cold"))
-            for (label, kind), runs in samples.items():
+            # every other round in reverse: a load right after another reader's runs with the CPU
+            # caches that one left (0.12 GB: 3 ms slower after a stock load), so each reader takes both places
+            for (label, kind), runs in list(samples.items())[:: -1 if rep % 2 else 1]:
                 if rep == 0:
                     zero_(dst)
                 runs.append(load_once(group, kind, ckpts[label], dst, cold=mode == "cold"))

@@ -31,6 +31,7 @@ never read as wrong values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import pickle
 import struct
@@ -136,7 +137,12 @@ def numel(shape: tuple[int, ...] | torch.Size) -> int:
     return n
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    return _contiguous_strides(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)  # twice per item a load reads; a model has few distinct shapes
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for s in reversed(shape):
         strides.append(step)

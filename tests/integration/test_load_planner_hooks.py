@@ -1,0 +1,62 @@
+"""DCP's load-planner hooks keep working on ShardLoadPlanner subclasses.
+
+``ShardLoadPlanner.resolve_tensor`` hands a whole plain tensor or DTensor shard over
+without DCP's narrow (a view per dimension); that shortcut stands only while
+``transform_tensor`` is DCP's own: a subclass that overrides it is called for every
+tensor item, and where it sends the bytes is where they land.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+
+from support import assert_tensor_equal, garbage_like
+
+
+def _saved(tmp_path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g)}
+    dcp.save(state, storage_writer=ShardWriter(tmp_path), no_dist=True)
+    return state
+
+
+class Staging(ShardLoadPlanner):
+    """Reads every tensor into a scratch buffer of its own and commits twice its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch: dict[str, torch.Tensor] = {}
+
+    def transform_tensor(self, read_item, tensor):  # noqa: ANN001, ANN201
+        buffer = torch.empty_like(super().transform_tensor(read_item, tensor))
+        self.scratch[read_item.dest_index.fqn] = buffer
+        return buffer
+
+    def commit_tensor(self, read_item, tensor):  # noqa: ANN001, ANN201
+        fqn = read_item.dest_index.fqn
+        assert tensor.data_ptr() == self.scratch[fqn].data_ptr()  # the buffer (the reader holds it detached)
+        self.state_dict[fqn].copy_(tensor * 2)
+
+
+def test_an_overridden_transform_tensor_decides_where_every_item_lands(tmp_path):
+    saved = _saved(tmp_path)
+    got = {k: garbage_like(v) for k, v in saved.items()}
+    planner = Staging()
+    dcp.load(got, storage_reader=ShardReader(tmp_path), planner=planner, no_dist=True)
+    assert sorted(planner.scratch) == ["a", "b"]
+    for key, want in saved.items():
+        assert_tensor_equal(planner.scratch[key], want, key)
+        assert_tensor_equal(got[key], want * 2, key)
+
+
+def test_whole_tensors_land_in_place_under_dcps_own_transform(tmp_path):
+    saved = _saved(tmp_path)
+    got = {k: garbage_like(v) for k, v in saved.items()}
+    storages = {k: v.untyped_storage().data_ptr() for k, v in got.items()}
+    dcp.load(got, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in saved.items():
+        assert got[key].untyped_storage().data_ptr() == storages[key], key
+        assert_tensor_equal(got[key], want, key)
