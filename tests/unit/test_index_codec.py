@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats import index as index_module
 from dcp_ext.formats.index import StoredItem, decode_index, encode_index, ragged_take
 from dcp_ext.planning import load_plan
@@ -79,6 +79,15 @@ def test_round_trip_gives_back_every_object_and_location(whole_read_rows, monkey
     assert dict(back.items) == items
     assert {k: list(v) for k, v in back.copies.items()} == copies
     assert back.metadata.storage_data == {index: item.storage_info() for index, item in items.items()}
+
+
+def test_a_chunk_with_other_dims_than_its_tensor_is_refused_by_key():
+    """The writer flattens every box into one column: a chunk of the wrong length would
+    shift every later key's boxes, so it is refused, naming its key."""
+    metadata, items, copies = checkpoint()
+    metadata.state_dict_metadata["w"].chunks[1] = chunk([3], [2, 3])
+    with pytest.raises(CheckpointError, match=r"key 'w': a chunk's offsets or sizes do not have the tensor's 2 dimensions"):
+        encode_index(metadata, items, pickle.dumps(metadata), 1, copies)
 
 
 def test_lookups_follow_dcp_index_equality():
