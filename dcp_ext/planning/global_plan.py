@@ -40,7 +40,7 @@ from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, MetadataOnDemand
 from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
 from dcp_ext.planning.plan_table import PlanTable, TensorFacts, items_from_table, table_from_items
-from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
+from dcp_ext.planning.replica_check import ChunkKey, ReplicaMismatchError, is_alone_mark, mismatch_message
 
 if TYPE_CHECKING:
     from dcp_ext.planning.replica_units import ReplicaUnits
@@ -608,17 +608,20 @@ def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (changed != 0) & ((a[:, 0] | a[:, 1]) != 0) & ((b[:, 0] | b[:, 1]) != 0)
 
 
-def _versions(structure: _Structure, digests: list[np.ndarray], box: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], list[list[int]]]:
+def _versions(structure: _Structure, digests: list[np.ndarray], box: int) -> tuple[ChunkKey, list[list[int]], list[int]]:
     groups, rows, boxes = structure.groups, structure.rows, structure.boxes
     by_digest: dict[bytes, list[int]] = {}
+    alone = []
     held = boxes.order[boxes.starts[box] : boxes.ends[box]]
     for row, local in zip(held.tolist(), rows.local(held).tolist()):
         for rank in groups.members[rows.gid[row]].tolist():
             if local < len(digests[rank]) and digests[rank][local].any():
                 by_digest.setdefault(digests[rank][local].tobytes(), []).append(rank)
+                if is_alone_mark(digests[rank][local]):
+                    alone.append(rank)
     ndim = int(boxes.ndim[box])
     key = (rows.names[boxes.fqn[box]], tuple(boxes.off[box, :ndim].tolist()), tuple(boxes.size[box, :ndim].tolist()))
-    return key, [sorted(r) for r in by_digest.values()]
+    return key, [sorted(r) for r in by_digest.values()], sorted(alone)
 
 
 # -- balanced assignment ----------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import io
 import math
@@ -41,7 +40,7 @@ from dcp_ext.planning.plan_cache import (
     remembered_units,
 )
 from dcp_ext.planning.plan_table import PlanTable, table_from_items
-from dcp_ext.planning.replica_check import chunk_digest, chunk_digest_rows, held_alone
+from dcp_ext.planning.replica_check import alone_marks, chunk_digest, chunk_digest_rows, held_alone
 from dcp_ext.planning.replica_units import ReplicaUnits, check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
 from dcp_ext.storage.piece_digests import PieceDigest
@@ -167,7 +166,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if self.check_replicas and not alone:
             if self._agreement is not None and self._agreement.plan_id is not None:
                 units = remembered_units(self._agreement.plan_id)
-            digests = chunk_digest_rows(items, self.lookup_object, self._rows_to_digest(items, units))
+            digests = self._chunk_digests(items, units)
         return ShardLocalPlan(
             items=[],
             table=table if send_table else None,
@@ -177,16 +176,28 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             tp_rank=tp_rank,
         )
 
-    def _rows_to_digest(self, items: list[WriteItem], units: ReplicaUnits | None) -> list[int]:
-        """The rows whose chunks another rank may also declare, the only ones the check
-        compares: under a reused plan, those its units name; else all but the chunks of
-        DTensors sharded over the whole job (none to digest in pure FSDP: 590 chunks took
-        9 ms per rank and save)."""
+    def _chunk_digests(self, items: list[WriteItem], units: ReplicaUnits | None) -> np.ndarray:
+        rows, marked = self._rows_to_digest(items, units)
+        digests = chunk_digest_rows(items, self.lookup_object, rows)
+        digests[marked] = alone_marks(marked, dist.get_rank())
+        return digests
+
+    def _rows_to_digest(self, items: list[WriteItem], units: ReplicaUnits | None) -> tuple[list[int], list[int]]:
+        """(rows to digest, rows to mark): digests only where another rank may declare the
+        chunk too. Under a reused plan, the rows its units name (the check compares no
+        other). Else every row but the non-empty chunks of DTensors sharded over the whole
+        job, which get this rank's mark (``alone_marks``): none to digest in pure FSDP (590
+        chunks took 9 ms per rank and save), and a refusal where ranks disagree after all."""
         if units is not None:
-            return units.rows.tolist()
+            return units.rows.tolist(), []
         world = dist.get_world_size()
         alone = {fqn for fqn, obj in self.state_dict.items() if held_alone(obj, world)}
-        return [row for row, item in enumerate(items) if item.index.fqn not in alone]
+        marked = [
+            row for row, item in enumerate(items)
+            if item.index.fqn in alone and math.prod(item.tensor_data.chunk.sizes) > 0  # type: ignore[union-attr]
+        ]
+        skip = set(marked)
+        return [row for row in range(len(items)) if row not in skip], marked
 
     def _decide(self, digests: list[bytes], tp_ranks: list[int | None]) -> tuple[bytes | None, np.ndarray]:
         """Coordinator, in the digest exchange: the cached plan's id for this layout, and who sends a table."""
@@ -377,14 +388,12 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         else:
             return super().resolve_tensor(read_item)
         local = local.detach()
-        if self._narrows and local.shape == read_item.lengths and not any(read_item.dest_offsets):
+        transform = self.transform_tensor  # a subclass's or an instance's own: called for every item
+        if getattr(transform, "__func__", None) is DefaultLoadPlanner.transform_tensor and (
+            local.shape == read_item.lengths and not any(read_item.dest_offsets)
+        ):
             return local  # what DCP's narrow gives for the whole tensor, without a view per dim (~2 us)
-        return self.transform_tensor(read_item, local)
-
-    @functools.cached_property
-    def _narrows(self) -> bool:
-        """Whether ``transform_tensor`` is DCP's (a narrow), not a subclass's."""
-        return type(self).transform_tensor is DefaultLoadPlanner.transform_tensor
+        return transform(read_item, local)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """DCP puts the stored object in place of whatever the state dict holds. Where that

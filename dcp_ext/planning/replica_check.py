@@ -76,17 +76,48 @@ def chunk_digest_rows(
 
 
 def held_alone(obj: object, world: int) -> bool:
-    """Whether no other rank can declare a chunk of ``obj`` under the same offsets: a DTensor
-    sharded on every dimension of a mesh that spans all ``world`` ranks of the job holds a
-    region of its own on each rank (only empty shards can share offsets, with no data to compare)."""
-    return isinstance(obj, DTensor) and obj.device_mesh.size() == world and all(p.is_shard() for p in obj.placements)
+    """Whether no other rank should declare a chunk of ``obj`` under the same offsets: a
+    DTensor sharded on every dimension of a mesh that spans all ``world`` ranks of the job
+    holds a region of its own on each rank (only empty shards can share offsets, with no
+    data to compare). Not one over a wrapper of local shards (torchrec's), which names its
+    own offsets."""
+    return (
+        type(obj) is DTensor
+        and type(obj._local_tensor) is torch.Tensor
+        and obj.device_mesh.size() == world
+        and all(p.is_shard() for p in obj.placements)
+    )
 
 
-def mismatch_message(conflicts: list[tuple[ChunkKey, list[list[int]]]], total: int, mesh: DeviceMesh | None) -> str:
-    """``conflicts``: (fqn, offsets, sizes) and the groups of ranks that agree, per chunk."""
+_ALONE = 0xA10E << 48  # high bits of a mark's first word
+
+
+def alone_marks(rows: list[int], rank: int) -> np.ndarray:
+    """(len(rows), 2) uint64 stand-ins for the digests of chunks held alone: ``rank`` and
+    the row, never a digest another rank sends, so a chunk that another rank declares
+    after all (ranks whose meshes or placements disagree) is refused as a mismatch."""
+    out = np.empty((len(rows), 2), np.uint64)
+    out[:, 0] = _ALONE | rank
+    out[:, 1] = np.asarray(rows, np.uint64) + 1
+    return out
+
+
+def is_alone_mark(digest: np.ndarray) -> bool:
+    """Whether a digest row is an ``alone_marks`` row."""
+    return int(digest[0]) >> 48 == _ALONE >> 48
+
+
+def mismatch_message(
+    conflicts: list[tuple[ChunkKey, list[list[int]], list[int]]], total: int, mesh: DeviceMesh | None
+) -> str:
+    """``conflicts``: (fqn, offsets, sizes), the groups of ranks that agree, and the ranks
+    that hold the chunk as a DTensor sharded over every rank (``alone_marks``), per chunk."""
     lines = []
-    for (fqn, offsets, sizes), groups in conflicts[:5]:
+    for (fqn, offsets, sizes), groups, alone in conflicts[:5]:
         versions = " vs ".join(f"ranks {ranks}{_coordinates(mesh, ranks)}" for ranks in groups)
+        if alone:
+            versions += (f" (ranks {alone} hold it in a DTensor sharded over every rank, which no other rank "
+                         "can also hold: the ranks' meshes, placements or key types disagree)")
         lines.append(f"  {fqn!r} chunk at offsets {list(offsets)} size {list(sizes)}: {versions}")
     more = f"\n  ... and {total - 5} more" if total > 5 else ""
     where = f"checkpoint mesh {describe_mesh(mesh)}" if mesh is not None else "no checkpoint mesh given"

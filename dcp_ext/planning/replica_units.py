@@ -92,7 +92,7 @@ def check_units(plan: GlobalPlan, hashes: Sequence[np.ndarray], mesh: DeviceMesh
         versions: dict[bytes, list[int]] = {}
         for rank, value in zip(ranks[mine].tolist(), values[mine]):
             versions.setdefault(value.tobytes(), []).append(rank)
-        conflicts.append((_class_chunks(plan, cls), list(versions.values())))
+        conflicts.append((_class_chunks(plan, cls), list(versions.values()), []))  # units hash real digests only
     raise ReplicaMismatchError(
         mismatch_message(conflicts, len(bad), mesh)
         + "\n(The save reused a cached plan, which compares one hash per set of chunks held by the same ranks: "

@@ -2,8 +2,8 @@
 
 ``ShardLoadPlanner.resolve_tensor`` hands a whole plain tensor or DTensor shard over
 without DCP's narrow (a view per dimension); that shortcut stands only while
-``transform_tensor`` is DCP's own: a subclass that overrides it is called for every
-tensor item, and where it sends the bytes is where they land.
+``transform_tensor`` is DCP's own: a subclass's override, or one set on the instance, is
+called for every tensor item, and where it sends the bytes is where they land.
 """
 
 from __future__ import annotations
@@ -60,3 +60,17 @@ def test_whole_tensors_land_in_place_under_dcps_own_transform(tmp_path):
     for key, want in saved.items():
         assert got[key].untyped_storage().data_ptr() == storages[key], key
         assert_tensor_equal(got[key], want, key)
+
+
+def test_a_transform_tensor_set_on_the_instance_is_called_for_every_item(tmp_path):
+    saved = _saved(tmp_path)
+    got = {k: garbage_like(v) for k, v in saved.items()}
+    before = {k: v.clone() for k, v in got.items()}
+    planner = ShardLoadPlanner()
+    seen: dict[str, torch.Tensor] = {}
+    planner.transform_tensor = lambda read_item, tensor: seen.setdefault(read_item.dest_index.fqn, torch.empty_like(tensor))
+    dcp.load(got, storage_reader=ShardReader(tmp_path), planner=planner, no_dist=True)
+    assert sorted(seen) == ["a", "b"]
+    for key, want in saved.items():
+        assert_tensor_equal(seen[key], want, key)
+        assert_tensor_equal(got[key], before[key], key)  # the bytes went where the override said

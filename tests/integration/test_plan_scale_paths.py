@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
@@ -43,9 +43,9 @@ class _Probe(ShardSavePlanner):
         return plan
 
     def _rows_to_digest(self, items, units):
-        rows = super()._rows_to_digest(items, units)
+        rows, marked = super()._rows_to_digest(items, units)
         self.digested = sorted(items[row].index.fqn for row in rows)
-        return rows
+        return rows, marked
 
 
 def _state(mesh, seed: int, skew_rank: int | None = None) -> dict:
@@ -158,6 +158,38 @@ def held_alone_job(rank: int, world_size: int, path: str) -> dict:
         except CheckpointException as exc:
             out[f"{label} skew"] = str(exc)
     return out
+
+
+def disagreeing_job(rank: int, world_size: int, path: str) -> dict:
+    """Layouts where a rank holds a chunk of a DTensor sharded over every rank that another
+    rank declares too: the marks that stand in for its digest tell the coordinator."""
+    world = init_device_mesh("cpu", (world_size,))
+    own_order = DeviceMesh("cpu", [rank, *(r for r in range(world_size) if r != rank)])  # each rank sees itself first
+    cases = {
+        # 'w' a DTensor (its one row on rank 0) on rank 0, a plain tensor on rank 1: same data
+        "key types": {"w": DTensor.from_local(torch.ones(1, 4), world, [Shard(0)], run_check=False, shape=(1, 4), stride=(4, 1))
+                      if rank == 0 else torch.ones(1, 4)},
+        # every rank at coordinate 0 of its mesh: all claim row 0
+        "meshes": {"w": DTensor.from_local(torch.full((1, 3), float(rank)), own_order, [Shard(0)], run_check=False,
+                                           shape=(1, 3), stride=(3, 1))},
+    }
+    out = {}
+    for label, state in cases.items():
+        for group in (None, torch.distributed.group.WORLD):
+            try:
+                dcp.save(state, storage_writer=ShardWriter(f"{path}_{len(out)}"), planner=ShardSavePlanner(group=group))
+                out[f"{label} {group is not None}"] = "saved"
+            except CheckpointException as exc:
+                out[f"{label} {group is not None}"] = str(exc)
+    return out
+
+
+@pytest.mark.mp
+def test_a_chunk_held_alone_that_another_rank_declares_is_refused(tmp_path):
+    results = run_job(disagreeing_job, 2, str(tmp_path / "ckpt"))
+    for label, text in results[0].items():
+        assert "'w' chunk at offsets" in text and "ranks [0] vs ranks [1]" in text, (label, text)
+        assert "hold it in a DTensor sharded over every rank" in text and "meshes, placements or key types disagree" in text, (label, text)
 
 
 @pytest.mark.mp
