@@ -353,16 +353,21 @@ class _Keys:
     @classmethod
     def read(cls, header: dict[str, Any], source: str) -> _Keys:
         names, state, shapes = list(header["order"]), {}, []
+        tensors = header["tensors"]
+        dtypes: dict[str, torch.dtype] = {}  # a model has a few dtypes for thousands of keys
         for fqn in names:
-            if fqn not in header["tensors"]:
+            if fqn not in tensors:
                 state[fqn] = BytesStorageMetadata()
                 shapes.append([])
                 continue
-            dtype_text, shape, requires_grad, pin_memory, *strides = header["tensors"][fqn]
-            if not isinstance(shape, list) or not all(type(v) is int for v in shape):
+            dtype_text, shape, requires_grad, pin_memory, *strides = tensors[fqn]
+            valid = isinstance(shape, list) and all(type(v) is int and v >= 0 for v in shape)
+            if not valid and not (isinstance(shape, list) and all(type(v) is int for v in shape)):
                 raise CorruptCheckpointError(f"{source}: {fqn!r} has a non-integer shape or offset {shape!r}")
-            dtype = dtype_from_name(dtype_text, source)
-            if any(v < 0 for v in shape):
+            dtype = dtypes.get(dtype_text) if isinstance(dtype_text, str) else None
+            if dtype is None:
+                dtype = dtypes[dtype_text] = dtype_from_name(dtype_text, source)
+            if not valid:  # a negative extent
                 raise invalid_tensor_facts(source, fqn, dtype, shape)
             props = TensorProperties(dtype=dtype, requires_grad=bool(requires_grad), pin_memory=bool(pin_memory))
             if strides and _HAS_STRIDES:  # written by torch >= 2.15; an older torch has no field for them

@@ -556,6 +556,9 @@ def test_index_attacks_are_refused(tmp_path, attack, planner):
         ({"tensors": {"w": ["qint8", [64, 48], False, False]}}, r"unknown dtype 'qint8'"),  # torch's internal assert
         ({"tensors": {"w": ["float32", ["64", 48], False, False]}}, r"non-integer shape"),
         ({"tensors": {"w": ["float32", [-64, 48], False, False]}}, r"invalid dtype .* or shape"),
+        ({"tensors": {"w": ["load", [-64, 48], False, False]}}, r"unknown dtype 'load'"),  # the dtype is named first
+        ({"tensors": {"w": ["float32", [-64, "48"], False, False]}}, r"non-integer shape"),
+        ({"tensors": {"w": [["float32"], [64, 48], False, False]}}, r"unknown dtype \['float32'\]"),
         ({"order": 7}, r"unreadable index"),
         ({"format": "something-else"}, r"unreadable index"),
     ],
