@@ -189,7 +189,6 @@ class _Rows:
         counts, ndims = [], []  # per key: rows, box length
         flat_off: list[int] = []  # every row's offsets, then sizes, back to back: one conversion
         flat_size: list[int] = []  # for all keys (numpy's per key cost 1.2 s of a million-chunk save)
-        elems = 0
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 props = md.properties
@@ -198,11 +197,11 @@ class _Rows:
                     tensors[fqn].append(list(props.strides))
                 n, nd = len(md.chunks), len(md.size)
                 offsets = [chunk.offsets for chunk in md.chunks]
-                flat_off.extend(itertools.chain.from_iterable(offsets))
-                flat_size.extend(itertools.chain.from_iterable(chunk.sizes for chunk in md.chunks))
-                elems += n * nd
-                if len(flat_off) != elems or len(flat_size) != elems:
+                sizes = [chunk.sizes for chunk in md.chunks]
+                if any(len(box) != nd for box in itertools.chain(offsets, sizes)):  # would shift later keys' boxes
                     raise CheckpointError(f"key {fqn!r}: a chunk's offsets or sizes do not have the tensor's {nd} dimensions")
+                flat_off.extend(itertools.chain.from_iterable(offsets))
+                flat_size.extend(itertools.chain.from_iterable(sizes))
             else:
                 n, nd, offsets = 1, -1, [None]
             spans[fqn] = (len(stored), offsets)

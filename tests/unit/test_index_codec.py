@@ -84,10 +84,11 @@ def test_round_trip_gives_back_every_object_and_location(whole_read_rows, monkey
 def test_a_chunk_with_other_dims_than_its_tensor_is_refused_by_key():
     """The writer flattens every box into one column: a chunk of the wrong length would
     shift every later key's boxes, so it is refused, naming its key."""
-    metadata, items, copies = checkpoint()
-    metadata.state_dict_metadata["w"].chunks[1] = chunk([3], [2, 3])
-    with pytest.raises(CheckpointError, match=r"key 'w': a chunk's offsets or sizes do not have the tensor's 2 dimensions"):
-        encode_index(metadata, items, pickle.dumps(metadata), 1, copies)
+    for first, second in (((0, 0), (3,)), ((0, 0, 0), (3,))):  # one short; one long and one short (same total)
+        metadata, items, copies = checkpoint()
+        metadata.state_dict_metadata["w"].chunks[:] = [chunk(first, [3, 3]), chunk(second, [2, 3])]
+        with pytest.raises(CheckpointError, match=r"key 'w': a chunk's offsets or sizes do not have the tensor's 2 dimensions"):
+            encode_index(metadata, items, pickle.dumps(metadata), 1, copies)
 
 
 def test_lookups_follow_dcp_index_equality():
