@@ -78,7 +78,7 @@ def series(op: Callable[[int], object], ops: int) -> dict[str, Any]:
 def measure(workdir: Path, size_gib: float, ops: int) -> dict[str, Any]:
     cfg = Config(build_specs(size_gib), workdir, (1,), 1, 1)
     state = make_state(cfg, Group(0, 1, None), filled=True)
-    results: dict[str, Any] = {"tensors": len(cfg.specs), "objects": len(gc.get_objects())}
+    results: dict[str, Any] = {"tensors": len(cfg.specs), "objects": len(gc.get_objects()), "ops": ops}
     for kind in ("stock", "ours"):
         paths = [workdir / f"{kind}_{n}" for n in range(2)]  # the previous save stays until the next replaces it
 
@@ -110,7 +110,7 @@ def report(results: dict[str, Any]) -> None:
                          each, f"{r['full_ms_per_op']:.1f}"])
     print_table(
         f"Collections per operation, {results['tensors']} tensors, {results['objects']:,} objects in the process "
-        f"({results['kind_ops']} back-to-back operations per row)",
+        f"({results['ops']} back-to-back operations per row)",
         ["op", "path", "ms per op", "gen 0 / 1 / 2 per op", "full ms each", "full ms per op"],
         rows,
     )
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="dcp_ext_gc_", dir=args.dir))
     try:
-        results = measure(workdir, args.size_gib, args.ops) | {"kind_ops": args.ops}
+        results = measure(workdir, args.size_gib, args.ops)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report(results)

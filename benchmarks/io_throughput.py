@@ -7,9 +7,10 @@ Measures, on a deterministic state dict of mixed tensor sizes (default ~1 GiB):
     loads' cache state: ratios to it hold while the VM's disk and memory drift), and
     memcpy (``Tensor.copy_``);
 (b) saves: stock ``FileSystemWriter`` (DCP's default planner) versus ``ShardWriter`` with
-    ``ShardSavePlanner`` (checksums and atomic commit on) versus the raw ceiling at equal thread counts: the same bytes written by T threads into
-    T files with fsync ("raw"), and that plus the CRC32C pass our records need ("raw+crc";
-    they carry no zip CRC-32, which stock's records pay for), all interleaved; CPU seconds of each;
+    ``ShardSavePlanner`` (checksums and atomic commit on) versus the raw ceiling at equal
+    thread counts: the same bytes written by T threads into T files with fsync ("raw"), and
+    that plus the CRC32C pass our records need ("raw+crc"; they carry no zip CRC-32, which
+    stock's records pay for), all interleaved; CPU seconds of each;
 (c) loads into preallocated tensors: stock ``FileSystemReader`` (DCP's default planner) versus
     ``ShardReader`` with ``ShardLoadPlanner`` (the documented pairing), cold
     and warm, each reader on the stock-written AND on the ``ShardWriter``-written checkpoint;
