@@ -6,7 +6,7 @@ Measures, on a deterministic state dict of mixed tensor sizes (default ~1 GiB):
     cold and a warm page cache, sequential (the target's ceiling) and by ShardReader's
     thread count in parallel stretches (what the disk gives parallel streams), paired with
     the loads: warm, at the start of every round of loads; cold, just before every cold
-    load, as the VM's disk drifts within seconds; each load's ratio is to its own raw
+    load, as the VM's disk drifts within seconds: each load's ratio is to its own raw
     reads), and memcpy (``Tensor.copy_``);
 (b) saves: stock ``FileSystemWriter`` (DCP's default planner) versus ``ShardWriter`` with
     ``ShardSavePlanner`` (checksums and atomic commit on) versus the raw ceiling at equal
@@ -66,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from dcp_ext.runtime.threads import io_thread_count
+from dcp_ext.runtime.threads import StartedPool, io_thread_count
 from cli_args import existing_dir, output_file, positive_float, positive_int
 
 GB = 1e9
@@ -327,6 +327,13 @@ def summary(seconds: list[float], nbytes: int) -> dict[str, Any]:
     }
 
 
+def per_pair(base_s: list[float], seconds: list[float]) -> float | None:
+    """Throughput over the base's, pair by pair: the median of base seconds / seconds
+    (None without pairs). The two of a pair are timed close together, so the drift of this
+    machine's disk and memory falls on both."""
+    return statistics.median(b / t for b, t in zip(base_s, seconds)) if base_s and seconds else None
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     """``num / den``, or None when either is missing."""
     return None if num is None or not den else num / den
@@ -356,10 +363,10 @@ def write_file(path: Path, nbytes: int) -> None:
         os.close(fd)
 
 
-def read_file(path: Path, dst: memoryview, pool: ThreadPoolExecutor | None = None, threads: int = 1) -> None:
-    """Read the file into ``dst``: sequentially, or (``threads`` > 1, on ``pool``) as that
-    many contiguous stretches at once, one file descriptor each."""
-    step = -(-len(dst) // threads)
+def read_file(path: Path, dst: memoryview, pool: StartedPool | None = None, stretches: int = 1) -> None:
+    """Read the file into ``dst``: sequentially, or (with ``pool``) as ``stretches``
+    contiguous stretches read at once, one file descriptor each."""
+    step = -(-len(dst) // stretches) if pool is not None else len(dst)
 
     def stretch(start: int) -> None:
         end = min(len(dst), start + step)
@@ -372,10 +379,10 @@ def read_file(path: Path, dst: memoryview, pool: ThreadPoolExecutor | None = Non
                     raise EOFError(f"{path}: short read at {pos}")
                 pos += n
 
-    if threads == 1 or pool is None:
+    if pool is None:
         stretch(0)
     else:
-        list(pool.map(stretch, range(0, len(dst), step)))
+        list(pool.map(stretch, range(0, len(dst), max(1, step))))
 
 
 class RawRead:
@@ -390,7 +397,7 @@ class RawRead:
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
         self.group = group
         self.threads = io_thread_count()
-        self.pool = ThreadPoolExecutor(self.threads)
+        self.pool = StartedPool(self.threads, "raw-read")  # its threads start before the first timed read
 
     def write(self) -> float:
         self.path.unlink(missing_ok=True)
@@ -399,12 +406,11 @@ class RawRead:
 
     def read(self, cold: bool, parallel: bool = False) -> float:
         dst = memoryview(self.buffer.numpy())
-        threads = self.threads if parallel else 1
         if cold:
             drop_caches(self.group)
         else:
             read_file(self.path, dst)  # warm: in the page cache
-        return timed(self.group, lambda: read_file(self.path, dst, self.pool, threads))
+        return timed(self.group, lambda: read_file(self.path, dst, self.pool if parallel else None, self.threads))
 
     def remove(self) -> None:
         self.pool.shutdown()
@@ -524,9 +530,8 @@ def measure_saves(cfg: Config, group: Group, state: dict[str, torch.Tensor]) -> 
     """Raw write ceilings, stock and ours at each thread count, interleaved (every other
     round in reverse order), ``cfg.repeat`` times; leaves ckpt_stock and ckpt_ours written
     with the last thread count. Each ratio is the median over rounds of the ratio within a
-    round (seconds of the one / seconds of the other): a save's fsyncs wait for this
-    machine's disk, whose write speed moves between rounds (a 0.12 GB raw write took 55 or
-    73 ms, our save 60 or 90 ms, within one run)."""
+    round (``per_pair``): a save's fsyncs wait for this machine's disk, whose write speed
+    moves between rounds (stock's 1.07 GB save took 0.91, 0.92 and 2.2 s in one run)."""
     out: dict[str, Any] = {}
     kinds = (*SAVE_CEILINGS, *WRITERS)
     for threads in cfg.threads:
@@ -539,14 +544,11 @@ def measure_saves(cfg: Config, group: Group, state: dict[str, torch.Tensor]) -> 
             row[kind] = summary([wall for wall, _ in runs], cfg.total_bytes) | {
                 "cpu_s": statistics.median(cpu for _, cpu in runs)}
 
-        def per_round(kind: str, base: str) -> float:
-            """``kind``'s throughput over ``base``'s: the median over rounds of base's seconds / kind's."""
-            return statistics.median(b[0] / k[0] for k, b in zip(samples[kind], samples[base]))
-
-        row["ours/raw"] = per_round("ours", "raw")
-        row["stock/raw"] = per_round("stock", "raw")
-        row["ours/raw+crc"] = per_round("ours", "raw+crc")
-        row["ours/stock"] = per_round("ours", "stock")
+        wall = {kind: [w for w, _ in runs] for kind, runs in samples.items()}
+        row["ours/raw"] = per_pair(wall["raw"], wall["ours"])
+        row["stock/raw"] = per_pair(wall["raw"], wall["stock"])
+        row["ours/raw+crc"] = per_pair(wall["raw+crc"], wall["ours"])
+        row["ours/stock"] = per_pair(wall["stock"], wall["ours"])
         out[str(threads)] = row
     shutil.rmtree(cfg.ckpt("ckpt_raw"), ignore_errors=True)
     shutil.rmtree(cfg.ckpt("ckpt_raw+crc"), ignore_errors=True)
@@ -645,11 +647,10 @@ def measure_loads(
             row: dict[str, Any] = {}
             for kind in READERS:
                 runs = samples[label, kind]
-                row[kind] = summary([r.seconds for r in runs], needed) | {
-                    "x_raw": statistics.median(r[0] / run.seconds for r, run in zip(paired[label, kind], runs))
-                    if paired[label, kind] else None,
-                    "x_raw_parallel": statistics.median(r[1] / run.seconds for r, run in zip(paired[label, kind], runs))
-                    if paired[label, kind] else None,
+                seconds = [r.seconds for r in runs]
+                row[kind] = summary(seconds, needed) | {
+                    "x_raw": per_pair([r[0] for r in paired[label, kind]], seconds),
+                    "x_raw_parallel": per_pair([r[1] for r in paired[label, kind]], seconds),
                     "bytes_needed": needed,
                     "bytes_read": runs[0].bytes_read,
                     "read_amplification": runs[0].bytes_read / needed,
@@ -657,7 +658,7 @@ def measure_loads(
                     "rchar_amplification": runs[0].rchar / needed,
                     "verified": verified[label, kind],
                 }
-            row["ours/stock"] = ratio(row["ours"]["gbps"], row["stock"]["gbps"])
+            row["ours/stock"] = per_pair([r.seconds for r in samples[label, "stock"]], [r.seconds for r in samples[label, "ours"]])
             out[mode][label] = row
     return out
 
@@ -710,12 +711,14 @@ def phase_main(cfg: Config, group: Group) -> dict[str, Any]:
     local_bytes = sum(local_view(t).nbytes for t in state.values())
     cold_ok = drop_caches(group)
     raw = RawRead(cfg, group, local_bytes)
-    ceilings = measure_ceilings(cfg, raw)
-    saves = measure_saves(cfg, group, state)
     ckpts = {"stock-written": cfg.ckpt("ckpt_stock"), "ours-written": cfg.ckpt("ckpt_ours")}
     modes = ("cold", "warm") if cold_ok else ("warm",)
-    loads = measure_loads(cfg, group, ckpts, modes, make_state(cfg, group, filled=False), state, cfg.repeat, raw)
-    raw.remove()
+    try:
+        ceilings = measure_ceilings(cfg, raw)
+        saves = measure_saves(cfg, group, state)
+        loads = measure_loads(cfg, group, ckpts, modes, make_state(cfg, group, filled=False), state, cfg.repeat, raw)
+    finally:
+        raw.remove()
     ceilings["read_cold"] = loads["cold"].pop("raw") if cold_ok else None
     ceilings["read_cold_parallel"] = loads["cold"].pop("raw_parallel") if cold_ok else None
     ceilings["read_warm"] = loads["warm"].pop("raw")
@@ -840,7 +843,9 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
     check = checker(checks)
 
     print_table(
-        f"Raw ceilings ({res['procs']} process(es), {res['total_bytes'] / GB:.2f} GB, median of {res['repeat']})",
+        f"Raw ceilings ({res['procs']} process(es), {res['total_bytes'] / GB:.2f} GB; medians: writes and memcpy of "
+        f"{res['repeat']}, reads of every one paired with a load, parallel reads by {ceil['read_warm_parallel']['threads']} "
+        "threads per process)",
         ["measure", "GB/s", "best GB/s"],
         [
             [name, fmt(ceil[key]["gbps"] if ceil[key] else None), fmt(ceil[key]["best_gbps"] if ceil[key] else None)]
@@ -848,8 +853,8 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                 ("sequential write + fsync", "write_fsync"),
                 ("sequential read, cold", "read_cold"),
                 ("sequential read, warm", "read_warm"),
-                (f"parallel read ({ceil['read_warm_parallel']['threads']} threads), cold", "read_cold_parallel"),
-                (f"parallel read ({ceil['read_warm_parallel']['threads']} threads), warm", "read_warm_parallel"),
+                ("parallel read, cold", "read_cold_parallel"),
+                ("parallel read, warm", "read_warm_parallel"),
                 ("memcpy (copy_)", "memcpy"),
             ]
         ],
@@ -868,8 +873,9 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                  f">={TARGETS[mode]} {check(f'load {mode} {label} ours/raw', ours_raw, TARGETS[mode])}",
                  fmt(row["ours"]["x_raw_parallel"]), "yes" if ok else "NO"]
             )
-    print_table("Load into preallocated tensors, GB/s (x raw: median over loads of raw read s / load s, each load "
-                "paired with a raw read in its cache state: cold, just before it; warm, at the start of its round)",
+    print_table("Load into preallocated tensors, GB/s (a/raw: median over loads of raw read s / load s, each load "
+                "paired with raw reads in its cache state: cold, just before it; warm, at the start of its round; "
+                "ours/stock: median over rounds of stock s / ours s)",
                 ["mode / checkpoint", "stock", "ours", "ours/stock", "stock/raw", "ours/raw", "target", "ours/parallel raw",
                  "verified"],
                 rows)
