@@ -527,25 +527,26 @@ def test_direct_async_saves_run_in_call_order_on_every_rank(tmp_path):
 
 
 class ThreadPerSaveStager(AsyncStager):
-    """Stages each save on a thread of its own; with ``hold_first`` the first save's staging
-    waits until the second save's upload thread has taken its turn at the storage writer
-    (``ArrivalWriter.second_arrived``), so the ranks' arrival orders differ for certain. A
-    delay (0.5 s after the second staging) was not enough on a loaded machine."""
+    """Stages each save on a thread of its own; the staging of save number ``n`` (from 1)
+    waits for ``hold[n]`` first: set once another save's upload thread has taken its turn at
+    the storage writer (``ArrivalWriter.arrived``), so that each rank's arrival order is
+    certain. A delay (0.5 s after the second staging) was not enough on a loaded machine,
+    nor was leaving one rank's order to its threads (its second save reached the writer
+    first now and then, and the ranks' orders agreed)."""
 
     _synchronize_after_execute = False
 
-    def __init__(self, hold_first: bool, second_arrived: threading.Event):
+    def __init__(self, hold: dict[int, threading.Event]):
         self.calls = 0
-        self.second_arrived = second_arrived
-        self.hold_first = hold_first
+        self.hold = hold
 
     def stage(self, state_dict):
         self.calls += 1
-        first, staged = self.calls == 1, concurrent.futures.Future()
+        wait_for, staged = self.hold.get(self.calls), concurrent.futures.Future()
 
         def copy() -> None:
-            if first and self.hold_first:
-                assert self.second_arrived.wait(timeout=60)
+            if wait_for is not None:
+                assert wait_for.wait(timeout=60)
             staged.set_result(BlockingAsyncStager().stage(state_dict))
 
         threading.Thread(target=copy).start()
@@ -553,24 +554,27 @@ class ThreadPerSaveStager(AsyncStager):
 
 
 class ArrivalWriter(ShardWriter):
-    """Sets ``second_arrived`` once a save into ``step1`` holds its turn (``reset`` waits for it)."""
+    """Sets ``arrived[name]`` once a save into directory ``name`` holds its turn (``reset``
+    waits for it)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.second_arrived = threading.Event()
+        self.arrived = {name: threading.Event() for name in ("step0", "step1")}
 
     def reset(self, checkpoint_id=None):
         super().reset(checkpoint_id)
-        if checkpoint_id is not None and os.path.basename(os.fspath(checkpoint_id)) == "step1":
-            self.second_arrived.set()
+        if checkpoint_id is not None and os.path.basename(os.fspath(checkpoint_id)) in self.arrived:
+            self.arrived[os.path.basename(os.fspath(checkpoint_id))].set()
 
 
 def mismatched_pairing_job(rank: int, world: int, base: str) -> list[str | None]:
-    """Two direct saves with another stager, not awaited, a directory each; rank 1's first is
-    staged after its second reached the writer. Then a third, awaited."""
+    """Two direct saves with another stager, not awaited, a directory each: rank 0's second
+    is staged after its first reached the writer, rank 1's first after its second did. Then
+    a third, awaited."""
     writer = ArrivalWriter(base)
     group = dist.new_group(backend="gloo")
-    stager = ThreadPerSaveStager(hold_first=rank == 1, second_arrived=writer.second_arrived)
+    hold = {2: writer.arrived["step0"]} if rank == 0 else {1: writer.arrived["step1"]}
+    stager = ThreadPerSaveStager(hold)
     uploads = []
     for step in range(3):
         if step == 2:
