@@ -546,6 +546,20 @@ def _entry_bytes(probe: _ProbedRecord, entry: zipfile.ZipInfo, crcs: bool) -> by
     return data
 
 
+def archive_crc_fault(record: bytes | bytearray) -> tuple[bool, str | None]:
+    """Whether ``record`` carries zip CRC-32s (a ``torch.save`` archive: stock DCP's records,
+    tensors and other objects alike), and why its bytes fail them (the first failing
+    entry, or an archive that cannot be read), or None."""
+    data = io.BytesIO(record)
+    if not zipfile.is_zipfile(data):
+        return False, None
+    try:
+        bad = zipfile.ZipFile(data).testzip()
+    except (zipfile.BadZipFile, zlib.error) as exc:
+        return True, f"unreadable torch.save archive ({exc})"
+    return True, None if bad is None else f"crc32 mismatch in record entry {bad!r}"
+
+
 def check_holds(layout: TensorLayout, dtype: torch.dtype, sizes: tuple[int, ...], where: str) -> None:
     """The record's tensor is the chunk the metadata says it is (dtype and shape)."""
     if layout.dtype != dtype or layout.shape != tuple(sizes):

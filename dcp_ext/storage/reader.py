@@ -28,7 +28,7 @@ from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.validate import overlapping_boxes
-from dcp_ext.formats.torch_record import TensorLayout
+from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
@@ -46,6 +46,7 @@ from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
     Request,
     copy_record_box,
+    raise_if_corrupt,
     tensor_requests,
     whole_record_request,
 )
@@ -586,8 +587,14 @@ class ShardReader(StorageReader):
         limit = record_limit(self._require_catalog().chunk_nbytes(read_item.storage_index)) if stored.transforms else 0
         if read_item.type == LoadItemType.BYTE_IO:  # checked whatever verify_checksums says: read whole anyway,
             landed: list[bytes | bytearray] = []  # and a record of another key decodes to a value of another type
+
+            def land(record: bytes | bytearray) -> None:
+                if stored.checksum is None:  # no CRC32C in an index: a stock record's own zip CRC-32s
+                    raise_if_corrupt(where, archive_crc_fault(record)[1])
+                landed.append(record)
+
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(landed[0])))
-            return whole_record_request(stored, fqn, where, True, landed.append, limit)
+            return whole_record_request(stored, fqn, where, True, land, limit)
         dest = self._destination(read_item, planner, where)
         md, chunk = self._require_catalog().chunk(read_item.storage_index)
         stored_as = (md.properties.dtype, tuple(chunk.sizes))

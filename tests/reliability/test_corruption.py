@@ -241,6 +241,29 @@ def _overwrite_record_byte(path, key: str, at: int, value: int) -> str:
     return item.relative_path
 
 
+def test_a_stock_non_tensor_item_whose_value_changed_is_caught_by_its_zip_crc(tmp_path):
+    """A stock bytes item is a torch.save archive whose entries carry zip CRC-32s. One byte
+    of its pickle changed (step 7 -> 6) still unpickles, so nothing but the CRC can tell:
+    stock loads 6, and so did we, and ``dcp-ext verify`` (then convert, which would have
+    signed the damage with fresh checksums) passed it."""
+    state = {"w": torch.arange(6.0), "step": 7}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    reader = ShardReader(tmp_path, cache_metadata=False)
+    reader.read_metadata()
+    item = reader.catalog.item(next(i for i in reader.catalog.items if i.fqn == "step"))
+    path = tmp_path / item.relative_path
+    data = bytearray(path.read_bytes())
+    at = data.index(b"\x80\x02K\x07.", item.offset, item.offset + item.length)  # the pickle of 7
+    data[at + 3] = 6
+    path.write_bytes(data)
+    for verify in (False, True):
+        error = load_error({"w": torch.zeros(6), "step": 0}, tmp_path, verify_checksums=verify)
+        assert isinstance(error, ChecksumMismatchError), repr(error)
+        assert item.relative_path in str(error) and "'step'" in str(error) and "crc32 mismatch" in str(error), error
+    report = verify_checkpoint(str(tmp_path))
+    assert any("'step'" in fault and "crc32 mismatch" in fault for fault in report.faults), report.faults
+
+
 @pytest.mark.parametrize("writer", ["ours", "stock"])
 def test_a_damaged_non_tensor_item_is_a_checkpoint_error_naming_it(tmp_path, writer):
     """A bytes item is read and decoded whole: ours is checked against its CRC32C on every
