@@ -21,6 +21,9 @@ _COMMANDS = {
 }
 
 
+INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -36,8 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the output's reader went away (``| head``): nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
         return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except CheckpointException as exc:  # raised by dcp.save/load: report the first rank's failure
         error = rank_failure(exc)
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C while DCP ran a step: it wraps even that
+            print("error: interrupted", file=sys.stderr)
+            return INTERRUPTED
         if not isinstance(error, (CheckpointError, OSError)):
             raise
         print(f"error: {error}", file=sys.stderr)
@@ -46,5 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def run() -> None:
+    """The console script: ``main``; after Ctrl-C the process ends at once, without the
+    interpreter's teardown: reader and writer threads that were mid-call into torch when
+    the interrupt came still run, and a teardown under them aborted the process
+    (``terminate called without an active exception``) now and then. The command removed
+    what it had written before ``main`` returned."""
+    code = main()
+    if code == INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

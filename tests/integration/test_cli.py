@@ -211,6 +211,37 @@ def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsy
 
 
 @pytest.mark.mp
+def test_ctrl_c_during_convert_ends_in_one_line_and_leaves_no_checkpoint(tmp_path):
+    """Ctrl-C while ``dcp-ext convert`` writes: one line and the shell's status for it (it
+    printed DCP's 55-line traceback of the wrapped KeyboardInterrupt and exited 1, and now
+    and then aborted in the interpreter's teardown); nothing at DST, and a rerun works."""
+    import glob
+    import shutil
+    import signal
+    import time
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    state = {f"l{n}": torch.randn(512, 1024) for n in range(48)}  # 100 MB: the signal lands mid-write
+    save(state, src)
+    for _ in range(5):
+        shutil.rmtree(dst, ignore_errors=True)
+        process = subprocess.Popen([sys.executable, "-m", "dcp_ext.cli.main", "convert", str(src), str(dst)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+        while process.poll() is None and not glob.glob(str(dst / "*.distcp")):
+            time.sleep(0.002)
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+        if process.returncode != 0:  # the signal came before the convert was done
+            break
+    assert process.returncode == 130 and err == "error: interrupted\n", (process.returncode, err)
+    assert not (dst / ".metadata").exists() and not glob.glob(str(dst / "*.distcp")), list(dst.iterdir())
+    assert dcp_ext_cli("convert", str(src), str(dst)).returncode == 0
+    assert_state_dict_equal(load(state, dst, verify_checksums=True)[0], state)
+
+
+@pytest.mark.mp
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     """``dcp-ext inspect CKPT | head -1``: the reader leaves before the listing is written;
     no error line, no traceback, and SIGPIPE's status (it printed "error: [Errno 32]" before)."""
