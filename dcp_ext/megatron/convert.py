@@ -20,22 +20,29 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem
 
-from dcp_ext.errors import InvalidRequestError
+from dcp_ext.errors import CheckpointExistsError, InvalidRequestError
 from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.torch_dist import COMMON_PT
 from dcp_ext.runtime.options import flag
+from dcp_ext.storage.catalog_formats import FORMATS
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import checking_reader
 from dcp_ext.storage.writer import ShardWriter
 
 
-def _check_destination(source: Location, target: Location) -> None:
+def _check_destination(source: Location, target: Location, overwrite: bool) -> None:
     if target.cache_key() == source.cache_key():
         raise InvalidRequestError(f"{target.url}: is the source checkpoint; convert into another directory")
     if target.is_local and os.path.isfile(target.root):
         raise InvalidRequestError(f"{target.url}: is a file; the destination must be a directory")
+    held = next((fmt.name for fmt in FORMATS.values() if fmt.name != "dcp" and fmt.detect(target)), None)
+    if held is not None and not overwrite:  # a DCP one the writer refuses; another would be hidden behind ours
+        raise CheckpointExistsError(
+            f"{target.url}: holds a {held} checkpoint; convert into another directory, or pass overwrite=True "
+            "(dcp-ext convert --overwrite) to write ours beside it (readers of our format then see ours)"
+        )
 
 
 UNSAFE_OPT_OUT = "convert(allow_unsafe_bytes=True) (dcp-ext convert --allow-unsafe-bytes)"
@@ -93,8 +100,9 @@ def convert(
 ) -> ConvertReport:
     """Write every item of ``src`` to a new ShardWriter checkpoint at ``dst``.
 
-    ``dst`` must not be ``src`` nor a file; a checkpoint already at ``dst`` is replaced
-    only with ``overwrite=True`` (else ``CheckpointExistsError``). ``require_commit_marker``
+    ``dst`` must not be ``src`` nor a file; a checkpoint already at ``dst`` (of any format
+    the reader opens) is replaced, or written beside, only with ``overwrite=True`` (else
+    ``CheckpointExistsError``). ``require_commit_marker``
     is ``ShardReader``'s: False copies a checkpoint whose save was interrupted after its
     data files were written. Bytes items are copied as stored, and first pass the reader's
     restricted loader unless ``allow_unsafe_bytes=True``: a copy of a pickle that runs code
@@ -108,7 +116,7 @@ def convert(
     )
     metadata = reader.read_metadata()
     entries = metadata.state_dict_metadata
-    _check_destination(reader.location, Location(dst, storage_options))
+    _check_destination(reader.location, Location(dst, storage_options), overwrite)
     sizes = {
         fqn: numel(md.size) * md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 0
         for fqn, md in entries.items()

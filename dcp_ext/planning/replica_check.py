@@ -127,7 +127,9 @@ def mismatch_message(
         + "\n".join(lines)
         + more
         + "\nGive each rank's shard its own offsets (ShardSavePlanner(placement_fn=..., mesh=...) or "
-        "dcp_ext.with_checkpoint_placements), or pass check_replicas=False if the difference is intended."
+        "dcp_ext.with_checkpoint_placements), or pass check_replicas=False if the difference is intended "
+        "and one rank's copy may stand for all, as stock DCP saves it (per-rank statistics such as BatchNorm's "
+        "running_mean/running_var without SyncBatchNorm)."
     )
 
 

@@ -210,6 +210,24 @@ def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsy
     assert_state_dict_equal(load(want, dst)[0], want)
 
 
+def test_convert_refuses_a_directory_holding_another_format_unless_overwrite(tmp_path, capsys):
+    """A Hugging Face checkpoint at DST: ours was written beside it and hid it from our
+    readers (``inspect`` then listed ours), where the README promises a refusal."""
+    from dcp_ext.cli.main import main
+
+    src, hf, dst = tmp_path / "src", tmp_path / "hf", tmp_path / "dst"
+    save(sample_state(1), src)
+    save({"hf_weight": torch.ones(2, 2)}, hf)
+    assert main(["convert", str(hf), str(dst), "--to", "hf"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(src), str(dst)]) == 2
+    assert "holds a safetensors checkpoint" in capsys.readouterr().err
+    assert not (dst / ".metadata").exists()
+    assert main(["convert", str(src), str(dst), "--overwrite"]) == 0
+    want = sample_state(1)
+    assert_state_dict_equal(load(want, dst)[0], want)
+
+
 @pytest.mark.mp
 def test_ctrl_c_during_convert_ends_in_one_line_and_leaves_no_checkpoint(tmp_path):
     """Ctrl-C while ``dcp-ext convert`` writes: one line and the shell's status for it (it
@@ -233,11 +251,14 @@ def test_ctrl_c_during_convert_ends_in_one_line_and_leaves_no_checkpoint(tmp_pat
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=300)
-        if process.returncode != 0:  # the signal came before the convert was done
+        if process.returncode not in (0, -signal.SIGINT):  # not done before the signal (nor ending)
             break
     assert process.returncode == 130 and err == "error: interrupted\n", (process.returncode, err)
-    assert not (dst / ".metadata").exists() and not glob.glob(str(dst / "*.distcp")), list(dst.iterdir())
-    assert dcp_ext_cli("convert", str(src), str(dst)).returncode == 0
+    if (dst / ".metadata").exists():  # the signal came as the commit ended: the copy is whole
+        assert dcp_ext_cli("verify", str(dst)).returncode == 0
+    else:
+        assert not glob.glob(str(dst / "*.distcp")), list(dst.iterdir())
+    assert dcp_ext_cli("convert", str(src), str(dst), "--overwrite").returncode == 0
     assert_state_dict_equal(load(state, dst, verify_checksums=True)[0], state)
 
 
