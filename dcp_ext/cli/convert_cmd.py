@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     if args.to == "dcp":
         given = [f"--{name.replace('_', '-')}" for name in _HF_ONLY if getattr(args, name) is not None]
         if given:
-            raise InvalidRequestError(f"{', '.join(given)} only apply with --to hf")
+            raise InvalidRequestError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} with --to hf")
     elif args.allow_unsafe_bytes:
         raise InvalidRequestError("--allow-unsafe-bytes only applies with --to dcp (an export holds tensors alone)")
     if args.dst.startswith("memory://"):

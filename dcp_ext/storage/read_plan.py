@@ -28,7 +28,7 @@ from dcp_ext.errors import (
     CorruptCheckpointError,
     InvalidRequestError,
 )
-from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.index import INDEX_NAME, StoredItem
 from dcp_ext.formats.torch_record import (
     TensorLayout,
     archive_crc_fault,
@@ -263,8 +263,9 @@ def tensor_requests(
     if verify:
         if item.checksum is None and layout.payload_crc32 is None:
             raise InvalidRequestError(
-                f"{where}: verify_checksums=True, but the record carries no checksum: torch.save wrote it without "
-                "zip CRC-32s (a dcp_ext record has its CRC32C in the checkpoint's index, missing or stale here)"
+                f"{where}: verify_checksums=True (dcp-ext convert always checks), but the record carries no checksum: "
+                "torch.save wrote it without zip CRC-32s, and a dcp_ext record's CRC32C is in the checkpoint's index "
+                f"({INDEX_NAME}), missing or stale here; restore the index or save again"
             )
         return [_verified_request(item, box, where)]
     if not layout.is_row_major():

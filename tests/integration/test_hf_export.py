@@ -211,7 +211,7 @@ def test_cli_convert_to_hf_exports_tensors_and_names_skipped_items(tmp_path, cap
     assert "exported 8 tensors" in out and "skipped 2 non-tensor items: step, name" in out
     assert_tensors_equal(read_with_safetensors(tmp_path / "hf"), tensors_of(state))
     assert cli(["convert", str(tmp_path / "ckpt"), str(tmp_path / "d"), "--dtype", "bfloat16"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --dtype only apply with --to hf"
+    assert capsys.readouterr().err.strip() == "error: --dtype only applies with --to hf"
     assert cli([*argv[:2], str(tmp_path / "h2"), "--to", "hf", "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err
     assert cli([*argv[:2], str(tmp_path / "h3"), "--to", "hf", "--max-shard-size", "0.5B"]) == 2  # rounds to 0 bytes
