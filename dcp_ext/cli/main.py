@@ -39,12 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the output's reader went away (``| head``): nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
         return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    except CheckpointException as exc:  # raised by dcp.save/load: report the first rank's failure
+    except (KeyboardInterrupt, CheckpointException) as exc:  # dcp.save/load: report the first rank's failure
         error = rank_failure(exc)
-        if isinstance(error, KeyboardInterrupt):  # Ctrl-C while DCP ran a step: it wraps even that
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C, raised here or inside a DCP step (it wraps even that)
             print("error: interrupted", file=sys.stderr)
             return INTERRUPTED
         if not isinstance(error, (CheckpointError, OSError)):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -233,11 +237,6 @@ def test_ctrl_c_during_convert_ends_in_one_line_and_leaves_no_checkpoint(tmp_pat
     """Ctrl-C while ``dcp-ext convert`` writes: one line and the shell's status for it (it
     printed DCP's 55-line traceback of the wrapped KeyboardInterrupt and exited 1, and now
     and then aborted in the interpreter's teardown); nothing at DST, and a rerun works."""
-    import glob
-    import shutil
-    import signal
-    import time
-
     src, dst = tmp_path / "src", tmp_path / "dst"
     state = {f"l{n}": torch.randn(512, 1024) for n in range(48)}  # 100 MB: the signal lands mid-write
     save(state, src)
