@@ -49,6 +49,17 @@ class InvalidRequestError(CheckpointError, ValueError):
     """
 
 
+class IgnoredOptionsError(InvalidRequestError):
+    """Options given that the checkpoint read cannot use (``names``, as the API spells
+    them; ``reason`` says why): a front end that spells them otherwise (the CLI's flags)
+    says so in its own words."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = (), reason: str = ""):
+        super().__init__(message)
+        self.names = names
+        self.reason = reason
+
+
 class StorageFullError(CheckpointError):
     """A save ran out of space (ENOSPC, EDQUOT); names the checkpoint, the file and the bytes
     it needed. The failed save's files are removed; the previous checkpoint stays.

@@ -4,13 +4,15 @@ torch_dist/zarr/legacy) to ours, or to Hugging Face safetensors shards."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 
 from dcp_ext.cli.progress import ProgressBar
 from dcp_ext.conversion.hf_export import export_safetensors
-from dcp_ext.errors import InvalidRequestError
+from dcp_ext.errors import IgnoredOptionsError, InvalidRequestError
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.convert import convert
 
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iteration", help="legacy Megatron: iteration number or 'release'")
     parser.add_argument(
         "--partition-dim", action="append", default=[], metavar="REGEX=DIM",
-        help="legacy Megatron: TP split rule, DIM an integer or 'none' (repeatable)",
+        help="legacy Megatron: TP split rule, DIM 0, 1, ... or 'none' (repeatable)",
     )
     parser.add_argument("--allow-incomplete", action="store_true", help="accept a save without metadata.json")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
@@ -49,19 +51,42 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
+_MEGATRON_FLAGS = {"iteration": "--iteration", "partition_dims": "--partition-dim", "allow_incomplete": "--allow-incomplete"}
+
+
 def options_from(args: argparse.Namespace) -> MegatronOptions:
+    """The Megatron flags as ``MegatronOptions``, each checked here so that a bad one is
+    named as the flag it is."""
     rules: dict[str, int | None] = {}
     for rule in args.partition_dim:
         pattern, _, dim = rule.rpartition("=")
-        if not pattern or not (dim.lower() == "none" or _is_int(dim)):
-            raise InvalidRequestError(f"--partition-dim {rule!r} is not REGEX=DIM (DIM an integer or 'none')")
+        if not pattern or not (dim.lower() == "none" or _is_count(dim)):
+            raise InvalidRequestError(f"--partition-dim {rule!r} is not REGEX=DIM (DIM 0, 1, ... or 'none')")
+        _check_regex("--partition-dim", pattern)
         rules[pattern] = None if dim.lower() == "none" else int(dim)
     iteration = args.iteration
     if iteration is not None and iteration != "release":
-        if not _is_int(iteration):
+        if not _is_count(iteration):
             raise InvalidRequestError(f"--iteration {iteration!r} is neither an iteration number nor 'release'")
         iteration = int(iteration)
     return MegatronOptions(iteration=iteration, partition_dims=rules, allow_incomplete=args.allow_incomplete)
+
+
+def _check_regex(flag: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise InvalidRequestError(f"{flag} {pattern!r} is not a regular expression ({exc})") from None
+
+
+@contextlib.contextmanager
+def _flags_named(src: str) -> Iterator[None]:
+    """Megatron options the source cannot use, named as the flags that set them."""
+    try:
+        yield
+    except IgnoredOptionsError as exc:
+        flags = ", ".join(_MEGATRON_FLAGS[name] for name in exc.names)
+        raise InvalidRequestError(f"{src}: {flags} would be ignored: {exc.reason}") from None
 
 
 def _commit_marker(args: argparse.Namespace) -> bool | None:
@@ -69,10 +94,10 @@ def _commit_marker(args: argparse.Namespace) -> bool | None:
     return False if args.allow_uncommitted else None
 
 
-def _is_int(text: str) -> bool:
-    """An optional minus sign and ASCII digits: what ``int`` takes (``str.isdigit`` also
-    takes characters such as '²', which ``int`` refuses)."""
-    return re.fullmatch(r"-?[0-9]+", text) is not None
+def _is_count(text: str) -> bool:
+    """ASCII digits: an iteration or a dim (``str.isdigit`` also takes characters such as
+    '²', which ``int`` refuses)."""
+    return re.fullmatch(r"[0-9]+", text) is not None
 
 
 def parse_size(text: str) -> int:
@@ -99,10 +124,18 @@ def main(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} with --to hf")
     elif args.allow_unsafe_bytes:
         raise InvalidRequestError("--allow-unsafe-bytes only applies with --to dcp (an export holds tensors alone)")
+    for flag in ("include", "exclude"):
+        if getattr(args, flag) is not None:
+            _check_regex(f"--{flag}", getattr(args, flag))
     if args.dst.startswith("memory://"):
         raise InvalidRequestError(
             f"{args.dst}: a memory:// checkpoint lives inside one process; this one would end with dcp-ext"
         )
+    with _flags_named(args.src):
+        return _run(args, options)
+
+
+def _run(args: argparse.Namespace, options: MegatronOptions) -> int:
     bar = ProgressBar("converting")
     if args.to == "hf":
         report = export_safetensors(

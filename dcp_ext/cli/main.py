@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -32,10 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         modules[name] = importlib.import_module(module_name)
         modules[name].add_arguments(commands.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
+    stdout = sys.stdout
     try:
         with warnings.catch_warnings():  # the commands run DCP in one process on purpose: its note says so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            return modules[args.command].main(args)
+            sys.stdout = _Output(stdout)
+            code = modules[args.command].main(args)
+            sys.stdout.flush()  # a full disk under ``> file`` is reported here, not at exit
+            return code
     except BrokenPipeError:  # the output's reader went away (``| head``): nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
         return 128 + signal.SIGPIPE  # what a shell reports for a process ended by SIGPIPE
@@ -49,7 +56,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
     except (CheckpointError, OSError) as exc:  # bad input or a storage fault (an object store's too); both name the path
         print(f"error: {exc}", file=sys.stderr)
+    finally:
+        sys.stdout = stdout
     return 2
+
+
+class _Output:
+    """``sys.stdout`` while a command runs: a write that fails (``> /dev/full``, a full
+    disk) is reported as the output's failure, not as one of the checkpoint's."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with self._errors():
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        with self._errors():
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except BrokenPipeError:  # the reader went away: handled by ``main``
+            raise
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the output to stdout ({exc.strerror or exc})") from None
 
 
 def run() -> None:

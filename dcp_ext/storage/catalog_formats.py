@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_ext.errors import InvalidRequestError
+from dcp_ext.errors import IgnoredOptionsError
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, catalog_signature, read_catalog
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.safetensors_catalog import read_safetensors_catalog, safetensors_files, safetensors_signature
@@ -100,9 +100,12 @@ def with_views(location: Location, catalog: Catalog, options: Any = None, check_
         if unused:
             reads = f"reads only {', '.join(sorted(used))}" if used else "reads none"
             kind = "Megatron torch_dist" if catalog.format == "dcp" and used else catalog.format
-            raise InvalidRequestError(
+            reason = f"this {kind} checkpoint {reads}"
+            raise IgnoredOptionsError(
                 f"{location.url}: megatron=MegatronOptions({', '.join(f'{name}=...' for name in unused)}) would be "
-                f"ignored: this {kind} checkpoint {reads}"
+                f"ignored: {reason}",
+                tuple(unused),
+                reason,
             )
     for view, _ in _VIEWS:
         catalog = view(location, catalog, options)

@@ -294,6 +294,18 @@ def open_regular_file(path: str) -> int:
     return fd
 
 
+def _options_dict(path: str | os.PathLike[str], storage_options: Any) -> dict[str, Any]:
+    """``storage_options`` as keyword arguments (None: none); anything but a mapping is
+    refused, whatever the location (an empty list or 0 must not pass as "no options")."""
+    if storage_options is None:
+        return {}
+    if not isinstance(storage_options, Mapping):
+        raise InvalidRequestError(
+            f"{os.fspath(path)}: storage_options must be a dict of the filesystem's options, got {storage_options!r}"
+        )
+    return dict(storage_options)
+
+
 def _is_symlink(path: str) -> bool:
     """Whether ``path`` is a symbolic link (one ``lstat``; a missing entry is none)."""
     try:
@@ -316,7 +328,7 @@ class LocalLocation(Location):
     is_local = True
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
-        if storage_options:
+        if _options_dict(path, storage_options):
             raise InvalidRequestError(f"{os.fspath(path)}: storage_options apply to fsspec URLs, not to a local path")
         text = os.fspath(path)
         self.root = os.path.abspath(text[len("file://") :] if text.startswith("file://") else text)
@@ -330,8 +342,11 @@ class LocalLocation(Location):
         full = os.path.join(self.root, name)
         if "/" not in name and os.sep not in name and not _is_symlink(full):
             return full  # an entry of the directory itself, not a link: inside it wherever the root resolves
-        real_root = os.path.realpath(self.root)
-        real = os.path.realpath(full)
+        try:
+            real_root = os.path.realpath(self.root)
+            real = os.path.realpath(full)
+        except OSError as exc:  # a link on the way that cannot be followed (no access to its directory)
+            raise CheckpointError(f"{self.url}: cannot resolve {name!r} ({exc.strerror or exc})") from None
         if not any(os.path.commonpath([inside, real]) == inside for inside in _readable_roots(real_root)):
             raise UnsafeCheckpointError(
                 f"{self.url}: {name!r}{f' (key {key!r})' if key else ''} resolves to {real}, outside the checkpoint directory"
@@ -400,9 +415,14 @@ class LocalLocation(Location):
                 os.makedirs(self.root)
                 return True
             except FileExistsError:
-                if not os.path.isdir(self.root):
-                    raise
-                return False
+                if os.path.isdir(self.root):
+                    return False
+                if _is_symlink(self.root) and not os.path.exists(self.root):
+                    raise CheckpointError(
+                        f"{self.url}: is a symbolic link to {os.readlink(self.root)!r}, which does not exist; "
+                        "create the directory it names, or remove the link"
+                    ) from None
+                raise
 
     def remove_dir_if_empty(self) -> None:
         with contextlib.suppress(OSError):
@@ -447,12 +467,9 @@ class FsspecLocation(Location):
     is_local = False
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise InvalidRequestError(
-                f"{os.fspath(path)}: storage_options must be a dict of the filesystem's options, got {storage_options!r}"
-            )
+        options = _options_dict(path, storage_options)
         try:
-            fs, root = fsspec.core.url_to_fs(os.fspath(path), **(storage_options or {}))
+            fs, root = fsspec.core.url_to_fs(os.fspath(path), **options)
         except (ValueError, ImportError) as exc:  # an unknown scheme, or its fsspec backend is not installed
             raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({exc})") from None
         except TypeError as exc:  # storage_options its filesystem does not take

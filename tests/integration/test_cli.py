@@ -119,6 +119,8 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     raw = bytearray(data_file.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data_file.write_bytes(bytes(raw))
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
     return {
         "inspect a file": (["inspect", str(afile)], f"{afile}: is a file, not a checkpoint directory"),
         "inspect .metadata directory": (["inspect", str(meta_dir)], ".metadata is a directory, expected a file"),
@@ -132,12 +134,19 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
             ["convert", str(ckpt), str(tmp_path / "o2"), "--iteration", "ten"], "--iteration 'ten' is neither"),
         "convert --partition-dim": (
             ["convert", str(ckpt), str(tmp_path / "o3"), "--partition-dim", "x=abc"], "is not REGEX=DIM"),
-        "convert --iteration of a DCP checkpoint": (
-            ["convert", str(ckpt), str(tmp_path / "o4"), "--iteration", "5"], "MegatronOptions(iteration=...) would be ignored"),
+        "convert --iteration of a DCP checkpoint": (  # named as the flag, not as the library's option
+            ["convert", str(ckpt), str(tmp_path / "o4"), "--iteration", "5"],
+            f"{ckpt}: --iteration would be ignored: this dcp checkpoint reads none"),
+        "convert --to hf --allow-incomplete of a DCP checkpoint": (
+            ["convert", str(ckpt), str(tmp_path / "o14"), "--to", "hf", "--allow-incomplete", "--partition-dim", "x=0"],
+            f"{ckpt}: --allow-incomplete, --partition-dim would be ignored"),
+        "convert --iteration -1": (["convert", str(ckpt), str(tmp_path / "o15"), "--iteration=-1"], "--iteration '-1' is neither"),
         "convert --partition-dim not a regex": (
-            ["convert", str(ckpt), str(tmp_path / "o5"), "--partition-dim", "(=0"], "'(' is not a regex"),
+            ["convert", str(ckpt), str(tmp_path / "o5"), "--partition-dim", "(=0"], "--partition-dim '(' is not a regular expression"),
         "convert --to hf --include not a regex": (
-            ["convert", str(ckpt), str(tmp_path / "o6"), "--to", "hf", "--include", "("], "include='(' is not a regular expression"),
+            ["convert", str(ckpt), str(tmp_path / "o6"), "--to", "hf", "--include", "("], "--include '(' is not a regular expression"),
+        "convert onto a dangling symlink": (  # was reported as "a file"
+            ["convert", str(ckpt), str(dangling)], f"{dangling}: is a symbolic link to '{tmp_path / 'gone'}', which does not exist"),
         "inspect an unknown URL scheme": (["inspect", "s3x://bucket/x"], "s3x://bucket/x: cannot open this URL (Protocol not known: s3x)"),
         "convert into /proc": (["convert", str(ckpt), "/proc/no/such"], "/proc/no/such: cannot create the checkpoint directory"),
         "convert a truncated checkpoint": (["convert", str(truncated), str(tmp_path / "o7")], "but the file has 100 bytes (truncated?)"),
@@ -164,6 +173,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "convert a damaged checkpoint", "convert --to hf a damaged checkpoint", "inspect a server that refuses",
     "convert into memory://", "convert a checkpoint whose item runs code",
     "convert a checkpoint whose item runs code: the opt-out named", "convert --to hf --allow-unsafe-bytes",
+    "convert --to hf --allow-incomplete of a DCP checkpoint", "convert --iteration -1", "convert onto a dangling symlink",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main
@@ -273,6 +283,33 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     stderr = process.stderr.read()
     assert process.wait(timeout=300) == 141
     assert stderr == b""
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_output_onto_a_full_disk_says_it_was_the_output(tmp_path, command):
+    """``dcp-ext inspect CKPT > /dev/full``: it printed "error: [Errno 28] No space left on
+    device", as if the checkpoint had failed."""
+    save(sample_state(), tmp_path / "ckpt")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "dcp_ext.cli.main", command, str(tmp_path / "ckpt")],
+                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: cannot write the output to stdout (No space left on device)"], result.stderr
+
+
+def test_a_link_that_cannot_be_resolved_ends_in_one_error_line(capsys):
+    """Format detection resolves each entry of the directory; ``/proc/1/fd`` holds links
+    that even root may not resolve, and ``realpath``'s PermissionError came out bare."""
+    from dcp_ext.cli.main import main
+
+    try:
+        os.path.realpath("/proc/1/fd/0")
+    except PermissionError:
+        pass
+    else:
+        pytest.skip("this machine lets /proc/1/fd/0 be resolved")
+    assert main(["inspect", "/proc/1/fd"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: /proc/1/fd: cannot resolve '0/.zarray' (Permission denied)"]
 
 
 def test_inspect_stats_lists_every_data_file(tmp_path, capsys):

@@ -42,7 +42,7 @@ def test_convert_round_trip_verifies_and_loads(tmp_path, capsys, fmt):
 
 def test_convert_reports_bad_partition_rule(tmp_path, capsys):
     assert cli(["convert", str(tmp_path), str(tmp_path / "out"), "--partition-dim", "nodim"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --partition-dim 'nodim' is not REGEX=DIM (DIM an integer or 'none')"
+    assert capsys.readouterr().err.strip() == "error: --partition-dim 'nodim' is not REGEX=DIM (DIM 0, 1, ... or 'none')"
 
 
 @pytest.mark.parametrize("writer", ["stock", "ours"])

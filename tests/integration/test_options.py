@@ -208,6 +208,10 @@ def test_other_values_of_the_wrong_kind_are_refused_by_name(tmp_path):
         add_report_callback("print")
     with pytest.raises(InvalidRequestError, match="memory://b/ck: storage_options must be a dict"):
         ShardWriter("memory://b/ck", storage_options="anon=True")
+    for falsy in ([], 0, ""):  # these passed for a local path as "no options"
+        with pytest.raises(InvalidRequestError, match=f"{tmp_path}: storage_options must be a dict of the filesystem's options"):
+            ShardReader(tmp_path, storage_options=falsy)
+    assert ShardReader(tmp_path, storage_options={}).location.root == str(tmp_path)
     assert ShardWriter(tmp_path, thread_count=np.int64(2)).thread_count == 2
     with pytest.raises(InvalidRequestError, match=r"thread_count=\.\.\.\) must be a positive integer"):
         ShardWriter(tmp_path, thread_count=np.bool_(True))
