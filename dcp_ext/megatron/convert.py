@@ -26,7 +26,7 @@ from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.torch_dist import COMMON_PT
 from dcp_ext.runtime.options import flag
-from dcp_ext.storage.catalog_formats import FORMATS
+from dcp_ext.storage.catalog_formats import held_format
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import checking_reader
 from dcp_ext.storage.writer import ShardWriter
@@ -37,8 +37,8 @@ def _check_destination(source: Location, target: Location, overwrite: bool) -> N
         raise InvalidRequestError(f"{target.url}: is the source checkpoint; convert into another directory")
     if target.is_local and os.path.isfile(target.root):
         raise InvalidRequestError(f"{target.url}: is a file; the destination must be a directory")
-    held = next((fmt.name for fmt in FORMATS.values() if fmt.name != "dcp" and fmt.detect(target)), None)
-    if held is not None and not overwrite:  # a DCP one the writer refuses; another would be hidden behind ours
+    held = held_format(target)
+    if held not in (None, "dcp") and not overwrite:  # a DCP one the writer refuses; another would be hidden behind ours
         raise CheckpointExistsError(
             f"{target.url}: holds a {held} checkpoint; convert into another directory, or pass overwrite=True "
             "(dcp-ext convert --overwrite) to write ours beside it (readers of our format then see ours)"

@@ -92,12 +92,13 @@ def torch_dist_options(location: Location, catalog: Catalog) -> frozenset[str]:
     return frozenset({"allow_incomplete"}) if catalog.format == "dcp" and is_megatron_catalog(location, catalog) else frozenset()
 
 
-def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions | None) -> Catalog:
+def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions | None, shared: bool) -> Catalog:
     """The catalog a load should see: checked for completeness, flattened tensors restored,
     TP-replica keys (``{key}.__tp_replica_{r}``) answered as ``key``.
 
     Plain DCP checkpoints come back unchanged. The view is computed once per parsed
-    catalog (it may probe record headers) and shared like the catalog itself.
+    catalog (it may probe record headers) and, for a ``shared`` one, kept like the catalog
+    itself (``cache_metadata=False``: neither is kept).
     """
     if catalog.format != "dcp" or not is_megatron_catalog(location, catalog):
         return catalog
@@ -108,7 +109,8 @@ def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptio
     shapes = _reformulated_shapes(catalog)
     view = merge_tp_replica_keys(catalog)  # first: its view starts without parsed layouts
     view = _restore_flattened(location, view, shapes) if shapes else view
-    _VIEWS.put(id(catalog), (catalog, view))
+    if shared:
+        _VIEWS.put(id(catalog), (catalog, view))
     return view
 
 

@@ -44,7 +44,9 @@ class CatalogFormat:
     option_names: frozenset[str] = frozenset()
 
 
-View = Callable[[Location, Catalog, Any], Catalog]  # adjusts a catalog after it is read (torch_dist)
+# adjusts a catalog after it is read (torch_dist); the flag: the catalog is shared (the
+# metadata cache holds it), so the view may be kept for the next load of it too
+View = Callable[[Location, Catalog, Any, bool], Catalog]
 ViewOptions = Callable[[Location, Catalog], frozenset[str]]  # the options a view reads for this catalog
 
 FORMATS: dict[str, CatalogFormat] = {}
@@ -71,10 +73,16 @@ register_format(CatalogFormat(
 ))
 
 
+def held_format(location: Location) -> str | None:
+    """The name of the first registered format that recognises the directory (the
+    checkpoint it holds), or None."""
+    return next((fmt.name for fmt in FORMATS.values() if fmt.detect(location)), None)
+
+
 def catalog_format(location: Location) -> CatalogFormat:
-    """The first registered format that recognises the directory; DCP when none does (its
-    reader then reports the missing ``.metadata``)."""
-    return next((fmt for fmt in FORMATS.values() if fmt.detect(location)), FORMATS["dcp"])
+    """The format of the directory's checkpoint; DCP when none is recognised (its reader
+    then reports the missing ``.metadata``)."""
+    return FORMATS[held_format(location) or "dcp"]
 
 
 def open_catalog(location: Location, cached: bool = True, options: Any = None, check_options: bool = True) -> tuple[Catalog, bool]:
@@ -88,12 +96,13 @@ def open_catalog(location: Location, cached: bool = True, options: Any = None, c
         catalog, was_read = METADATA_CACHE.open(location, read, signature, (fmt.name, *fmt.options_key(options)))
     else:
         catalog, was_read = read(location), True
-    return with_views(location, catalog, options, check_options), was_read
+    return with_views(location, catalog, options, check_options, shared=cached), was_read
 
 
-def with_views(location: Location, catalog: Catalog, options: Any = None, check_options: bool = True) -> Catalog:
+def with_views(location: Location, catalog: Catalog, options: Any = None, check_options: bool = True, shared: bool = False) -> Catalog:
     """``catalog`` as a load should see it: every registered view applied, after checking
-    that every option given applies to it (``options.given()``: the ones set)."""
+    that every option given applies to it (``options.given()``: the ones set). ``shared``:
+    the metadata cache holds ``catalog``; a view of any other is made for this load alone."""
     if options is not None and check_options:
         used = FORMATS[catalog.format].option_names.union(*(names(location, catalog) for _, names in _VIEWS))
         unused = sorted(options.given() - used)
@@ -108,5 +117,5 @@ def with_views(location: Location, catalog: Catalog, options: Any = None, check_
                 reason,
             )
     for view, _ in _VIEWS:
-        catalog = view(location, catalog, options)
+        catalog = view(location, catalog, options, shared)
     return catalog

@@ -68,7 +68,7 @@ def open_shared_catalog(
         else:
             catalog = build(location)
         was_read = dist.get_rank() == leader
-    return with_views(location, catalog, options), was_read
+    return with_views(location, catalog, options, shared=cached), was_read
 
 
 def _leader_message(location: Location, held: list[tuple[Any, ...] | None], cached: bool) -> tuple[str, Any]:

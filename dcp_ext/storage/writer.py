@@ -28,6 +28,7 @@ from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.torch_record import RecordSink, numel, write_bytes, write_tensor
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
 from dcp_ext.storage.catalog import METADATA_NAME
+from dcp_ext.storage.catalog_formats import held_format
 from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreferenced
 from dcp_ext.storage.device_staging import HostCopies
@@ -178,10 +179,14 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             # and the directory this save created must still go with the failed save
             self._token = uuid.uuid4().hex[:12]
             OPEN_SAVES.track(OpenSave(self.location, self._token, self.save_id, self._created_dir))
-        if not self.overwrite and self.location.exists(METADATA_NAME):
-            raise CheckpointExistsError(
-                f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
-            )
+        if not self.overwrite:
+            held = held_format(self.location)
+            if held == "dcp":
+                raise CheckpointExistsError(
+                    f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
+                )
+            if held is not None:  # ours beside it would hide it from every reader of our format
+                raise CheckpointExistsError(f"{self.location.url}: holds a {held} checkpoint and overwrite=False")
         return dataclasses.replace(plan, storage_data=SaveOrder(self.save_number, self.location.url))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -95,6 +95,30 @@ def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
     assert_state_dict_equal(load(state, tmp_path)[0], state)  # the existing checkpoint is untouched
 
 
+@pytest.mark.parametrize("held", ["safetensors", "zarr"])
+def test_overwrite_false_refuses_a_checkpoint_of_another_format(tmp_path, held):
+    """Only ``.metadata`` was looked for: a save went into a Hugging Face directory (which
+    our readers then saw as ours alone) or a Megatron zarr one (which then no longer
+    loaded). The directory is refused and left as it was."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_ext import CheckpointExistsError
+
+    from support import FIXTURES
+
+    source = FIXTURES / ("hf/tiny_llama" if held == "safetensors" else "megatron/mcore012_zarr_tp2")
+    target = tmp_path / "ckpt"
+    shutil.copytree(source, target)
+    before = sorted(p.relative_to(target) for p in target.rglob("*"))
+    keys = set(ShardReader(target, cache_metadata=False).read_metadata().state_dict_metadata)
+    with pytest.raises(CheckpointException) as info:
+        save(sample_state(), target, overwrite=False)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, CheckpointExistsError) and str(error) == f"{target}: holds a {held} checkpoint and overwrite=False"
+    assert sorted(p.relative_to(target) for p in target.rglob("*")) == before
+    assert set(ShardReader(target, cache_metadata=False).read_metadata().state_dict_metadata) == keys
+
+
 def test_index_loaded_metadata_equals_the_pickle(tmp_path):
     """The index builds storage_data on first use; read, iterated or pickled it is the
     plain dict stock DCP unpickles, and the tensor entries match chunk for chunk."""
