@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -289,7 +289,7 @@ class ShardReader(StorageReader):
         identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint)
         commits: list[Callable[[], None]] = []
         try:
-            stored = [catalog.item_for_rank(item.storage_index, self.rank) for item in plan.items]
+            stored = [self._stored(catalog, item.storage_index) for item in plan.items]
             self._check_destinations_filled(catalog, plan, planned_by)
             self._check_files(plan.items, stored)
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
@@ -346,7 +346,13 @@ class ShardReader(StorageReader):
 
     def _bytes_where(self, read_item: ReadItem) -> str:
         index = read_item.storage_index
-        return self._where(self._require_catalog().item_for_rank(index, self.rank).relative_path, index.fqn)
+        return self._where(self._stored(self._require_catalog(), index).relative_path, index.fqn)
+
+    def _stored(self, catalog: Catalog, index: MetadataIndex) -> StoredItem:
+        """The record a load reads: this rank's TP-replica copy when it has one, but the
+        canonical record in a two-stage load, where the group reads each record once and
+        ranks asking for their own copies would share nothing."""
+        return catalog.item(index) if self.two_stage else catalog.item_for_rank(index, self.rank)
 
     def _requests(
         self,

@@ -74,6 +74,35 @@ def test_each_tp_rank_reads_only_its_own_files(tmp_path):
     assert stats["largest"][0]["key"] in ("attn.qkv.weight", "attn.proj.weight")
 
 
+def _two_stage_reload(rank: int, world: int, path: str, locality: bool) -> tuple[int, int]:
+    """Save at TP=world, reload two-stage; return the group's (bytes read, bytes received)."""
+    state = _state(world)
+    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=locality))
+    expected = {k: v.to_local().clone() for k, v in state.items()}
+    for value in state.values():
+        value.to_local().copy_(garbage_like(value.to_local()))
+    reader = ShardReader(path, two_stage=True)
+    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
+    for name, value in state.items():
+        assert_tensor_equal(value.to_local(), expected[name], name)
+    counts = torch.tensor([reader.stats.bytes_read, reader.stats.bytes_received])
+    torch.distributed.all_reduce(counts)
+    return int(counts[0]), int(counts[1])
+
+
+@pytest.mark.mp
+def test_two_stage_reads_a_locality_checkpoint_once_per_group(tmp_path):
+    """Each rank asked for its own copy of a replicated tensor, so a two-stage load of a
+    locality checkpoint shared none of them: every copy was read (the group read 1.75x
+    the bytes it needs at TP=2 here) and nothing was exchanged. It reads the canonical
+    records, as for a checkpoint saved without locality."""
+    plain = run_job(_two_stage_reload, 2, str(tmp_path / "plain"), False)
+    local = run_job(_two_stage_reload, 2, str(tmp_path / "locality"), True)
+    assert local[0] == plain[0] and local[0][1] > 0, (plain, local)
+    unique = sum(v.numel() * v.element_size() for v in full_tensors().values())
+    assert local[0][0] == unique, (local, unique)
+
+
 def _save_replicated_only(rank: int, world: int, path: str) -> None:
     state = {k: v for k, v in _state(world).items() if isinstance(SPECS[k][1], Replicate)}
     dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=True))
