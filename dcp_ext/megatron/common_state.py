@@ -15,6 +15,7 @@ from dcp_ext.megatron.legacy import LegacyCheckpoint
 from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.megatron.torch_dist import COMMON_PT, common_state_key
 from dcp_ext.storage.catalog import read_catalog
+from dcp_ext.storage.catalog_formats import FORMATS, check_options_apply, open_catalog
 from dcp_ext.storage.location import Location
 
 
@@ -34,6 +35,10 @@ def load_common_state(
     location = Location(path, storage_options)
     options = options or MegatronOptions()
     kind = detect_format(location)
+    if kind == "legacy":
+        check_options_apply(location, options, FORMATS["legacy"].option_names, "legacy")
+    else:  # the options a load of it takes, and its completeness, checked as for a load
+        open_catalog(location, options=options)
     if kind == "legacy":
         checkpoint = LegacyCheckpoint(location, options)  # its tensors are layouts: load the values
         path = checkpoint.files[(0, 0, 0)]

@@ -99,23 +99,28 @@ def open_catalog(location: Location, cached: bool = True, options: Any = None, c
     return with_views(location, catalog, options, check_options, shared=cached), was_read
 
 
+def check_options_apply(location: Location, options: Any, used: frozenset[str], kind: str) -> None:
+    """Refuse the options given (``options.given()``) that a ``kind`` checkpoint, which
+    reads ``used``, would ignore."""
+    unused = sorted(options.given() - used)
+    if unused:
+        reads = f"reads only {', '.join(sorted(used))}" if used else "reads none"
+        reason = f"this {kind} checkpoint {reads}"
+        raise IgnoredOptionsError(
+            f"{location.url}: megatron=MegatronOptions({', '.join(f'{name}=...' for name in unused)}) would be "
+            f"ignored: {reason}",
+            tuple(unused),
+            reason,
+        )
+
+
 def with_views(location: Location, catalog: Catalog, options: Any = None, check_options: bool = True, shared: bool = False) -> Catalog:
     """``catalog`` as a load should see it: every registered view applied, after checking
     that every option given applies to it (``options.given()``: the ones set). ``shared``:
     the metadata cache holds ``catalog``; a view of any other is made for this load alone."""
     if options is not None and check_options:
         used = FORMATS[catalog.format].option_names.union(*(names(location, catalog) for _, names in _VIEWS))
-        unused = sorted(options.given() - used)
-        if unused:
-            reads = f"reads only {', '.join(sorted(used))}" if used else "reads none"
-            kind = "Megatron torch_dist" if catalog.format == "dcp" and used else catalog.format
-            reason = f"this {kind} checkpoint {reads}"
-            raise IgnoredOptionsError(
-                f"{location.url}: megatron=MegatronOptions({', '.join(f'{name}=...' for name in unused)}) would be "
-                f"ignored: {reason}",
-                tuple(unused),
-                reason,
-            )
+        check_options_apply(location, options, used, "Megatron torch_dist" if catalog.format == "dcp" and used else catalog.format)
     for view, _ in _VIEWS:
         catalog = view(location, catalog, options, shared)
     return catalog

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -161,6 +162,29 @@ def test_converted_common_state_object_is_no_megatron_save(tmp_path):
     assert cli(["convert", str(MEGATRON_FIXTURES / "mcore019_tp2_dp2_ep2"), str(tmp_path / "ours")]) == 0
     assert not (tmp_path / "ours" / "metadata.json").exists()
     assert as_json(load_common_state(tmp_path / "ours")) == info["common"]
+
+
+@pytest.mark.parametrize("name", ["mcore016_tp2_dp2_ep2", "mcore012_zarr_tp2"])
+def test_load_common_state_checks_its_options_as_a_load_does(tmp_path, name):
+    """``options`` served only legacy checkpoints: ``iteration`` or ``partition_dims`` on a
+    torch_dist or zarr one were ignored, and a torch_dist save without metadata.json (an
+    interrupted one) answered without ``allow_incomplete``, where a load of it is refused."""
+    from dcp_ext.errors import IgnoredOptionsError
+    from dcp_ext.megatron import IncompleteSaveError, MegatronOptions
+
+    source = MEGATRON_FIXTURES / name
+    kind = "zarr" if "zarr" in name else "Megatron torch_dist"
+    for given in ({"iteration": 5}, {"partition_dims": {"x": 0}}):
+        with pytest.raises(IgnoredOptionsError, match=f"would be ignored: this {kind} checkpoint reads only allow_incomplete"):
+            load_common_state(source, options=MegatronOptions(**given))
+    _, info = expected(name)
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(source, incomplete)
+    (incomplete / "metadata.json").unlink()
+    with pytest.raises(IncompleteSaveError, match="metadata.json is missing"):
+        load_common_state(incomplete)
+    common = load_common_state(incomplete, options=MegatronOptions(allow_incomplete=True))
+    assert as_json(common["iteration"]) == info["common"]["iteration"]
 
 
 def test_cache_metadata_false_keeps_no_torch_dist_view():
