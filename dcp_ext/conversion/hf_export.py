@@ -105,6 +105,11 @@ def export_safetensors(
     tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude, reader.location.url)
     if not tensors:
         raise InvalidRequestError(f"{reader.location.url}: no tensors to export (include={include!r}, exclude={exclude!r})")
+    if dtype is not None and not any(t.source_dtype.is_floating_point for t in tensors):
+        raise InvalidRequestError(
+            f"{reader.location.url}: export_safetensors(dtype={dtype}) (dcp-ext convert --dtype) would cast nothing: "
+            f"none of the {len(tensors)} tensors exported (include={include!r}, exclude={exclude!r}) is floating-point"
+        )
     shards = _pack(tensors, max_shard_bytes)
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     staging = Location(f"{target}.tmp-{uuid.uuid4().hex[:8]}")

@@ -25,7 +25,7 @@ from dcp_ext.formats.safe_load import safe_load_bytes
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.torch_dist import COMMON_PT
-from dcp_ext.runtime.options import flag
+from dcp_ext.runtime.options import callback, flag
 from dcp_ext.storage.catalog_formats import held_format
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.reader import checking_reader
@@ -109,6 +109,7 @@ def convert(
     would hand it to stock loaders (DCP's default planner unpickles bytes items).
     """
     flag("convert", "allow_unsafe_bytes", allow_unsafe_bytes)
+    callback("convert", "progress", progress)
     # bytes items are checked below with convert's own opt-out named, then copied as stored
     reader = checking_reader(
         src, megatron=options, storage_options=storage_options, allow_unsafe_bytes=True,

@@ -14,6 +14,7 @@ import crc32c
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.runtime.options import callback
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault
 from dcp_ext.formats.transforms import decode, record_limit
@@ -50,6 +51,7 @@ def verify_checkpoint(
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check ``path``; ``progress(done_bytes, total_bytes)`` is called as data is read."""
+    callback("verify_checkpoint", "progress", progress)
     location = Location(path, storage_options)
     report = VerifyReport(location.url)
     try:

@@ -88,6 +88,16 @@ def test_dtype_casts_floating_point_tensors_only_and_filters_select_keys(tmp_pat
     assert_tensor_equal(got["ids"], state["ids"], "ids")  # int64 kept
 
 
+def test_dtype_that_would_cast_no_tensor_is_refused(tmp_path):
+    """A selection without floating-point tensors exported them as they were under a dtype
+    that cast nothing (an empty selection is refused the same way)."""
+    save(mixed_state(), tmp_path / "ckpt")
+    with pytest.raises(InvalidRequestError, match=r"dtype=torch.bfloat16\) \(dcp-ext convert --dtype\) would cast nothing: "
+                                                  r"none of the 1 tensors exported \(include='\^ids\$', exclude=None\) is floating-point"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "hf", dtype=torch.bfloat16, include=r"^ids$")
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist", "zarr"])
 def test_export_of_megatron_formats(tmp_path, fmt):
     writer = {"legacy": lambda r: write_legacy(r, tp=2, pp=2, num_layers=2), "torch_dist": write_torch_dist,

@@ -22,7 +22,7 @@ from dcp_ext.conversion.hf_export import export_safetensors
 from dcp_ext.megatron import MegatronOptions
 
 from megatron_fixtures import write_legacy
-from support import RunsCode, save
+from support import RunsCode, sample_state, save
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TORCH_DIST = FIXTURES / "megatron" / "mcore016_tp2_dp2_ep2"
@@ -182,6 +182,20 @@ def test_partition_rules_for_a_checkpoint_without_tensor_parallelism_are_refused
 def test_export_options_of_the_wrong_kind_are_refused(tmp_path, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         export_safetensors(SAFETENSORS, tmp_path / "out", **kwargs)
+
+
+def test_progress_callbacks_of_the_wrong_kind_are_refused_by_name(tmp_path):
+    """``verify_checkpoint(progress='x')`` raised a bare TypeError once data was read, and
+    ``convert`` a TypeError from a writer thread wrapped in DCP's CheckpointException."""
+    from dcp_ext.megatron.convert import convert
+    from dcp_ext.storage.verify import verify_checkpoint
+
+    save(sample_state(), tmp_path / "ckpt")
+    with pytest.raises(InvalidRequestError, match=r"verify_checkpoint\(progress=\.\.\.\) must be callable or None, got 'x'"):
+        verify_checkpoint(str(tmp_path / "ckpt"), progress="x")
+    with pytest.raises(InvalidRequestError, match=r"convert\(progress=\.\.\.\) must be callable or None, got 'x'"):
+        convert(tmp_path / "ckpt", tmp_path / "out", progress="x")
+    assert not (tmp_path / "out").exists()
 
 
 def test_stock_planner_options_that_cannot_take_effect_are_refused():
