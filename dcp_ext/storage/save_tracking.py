@@ -62,6 +62,36 @@ _SAVE_CODES = frozenset(
 _ASYNC_SAVE_CODE = inspect.unwrap(state_dict_saver.async_save).__code__
 
 
+NOT_AN_UPLOAD = object()
+
+
+def _upload_codes() -> dict[types.CodeType, str]:
+    """DCP's async executors' upload functions (private modules: whichever this torch has),
+    each with its local that holds the staged state dict once it is resolved."""
+    from torch.distributed.checkpoint import _async_process_executor, _async_thread_executor
+
+    found = {}
+    for fn, local in (
+        (getattr(_async_thread_executor, "save_wrapper", None), "staged_dict"),
+        (getattr(getattr(_async_process_executor, "_ProcessBasedAsyncCheckpointExecutor", None), "_execute_save_impl", None),
+         "staged_state_dict"),
+    ):
+        if fn is not None:
+            found[inspect.unwrap(fn).__code__] = local
+    return found
+
+
+_UPLOAD_CODES = _upload_codes()
+
+
+def uploaded_state_dict() -> object:
+    """The staged state dict that DCP's async executor uploads on the calling thread (the
+    thread executor's ``dcp.save``, or the process executor handing it to its process), or
+    ``NOT_AN_UPLOAD`` when the caller is in no such upload."""
+    frame = next(_own_frames(frozenset(_UPLOAD_CODES)), None)
+    return NOT_AN_UPLOAD if frame is None else frame.f_locals.get(_UPLOAD_CODES[frame.f_code], NOT_AN_UPLOAD)
+
+
 def thread_in_save(ident: int | None) -> bool:
     """Whether thread ``ident`` is inside ``dcp.save`` (or the deprecated ``save_state_dict``)."""
     frame = sys._current_frames().get(ident) if ident is not None else None

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import CheckpointError, InvalidRequestError
+from dcp_ext.storage.save_tracking import NOT_AN_UPLOAD, uploaded_state_dict
 
 NodePath = tuple[Any, ...]
 
@@ -183,6 +184,12 @@ class StagingBuffers:
         """Bytes of tensor data held for reuse."""
         return sum(t.nbytes for t in local_tensors(self._buffers or {}))
 
+    def holds(self, staged: STATE_DICT_TYPE) -> bool:
+        """Whether ``staged`` is a copy this staging made: its first tensor is one of the
+        held buffers (a state dict without tensors needs none)."""
+        first = next(local_tensors(staged), None)
+        return first is None or any(first is t for t in local_tensors(self._buffers or {}))
+
     def data_ptrs(self) -> list[int]:
         """Where each held buffer's data lives: equal across saves when memory is reused."""
         return [t.data_ptr() for t in local_tensors(self._buffers or {})]
@@ -271,6 +278,21 @@ class AsyncStagingMixin(AsyncStager):
             )
         return self.staging.copy(state_dict)
 
+    def check_staged_here(self) -> None:
+        """``reuse_staging=True``, in the upload of an async save (DCP's executor thread, or
+        the thread that hands the save to its checkpoint process): the save must carry this
+        writer's staging copy. ``dcp.async_save(async_stager=...)`` staged it with that
+        stager, which the writer never sees: reuse could not take effect, and is refused."""
+        if self.reuse_staging is not True:
+            return
+        staged = uploaded_state_dict()
+        if staged is not NOT_AN_UPLOAD and not self.staging.holds(staged):
+            raise InvalidRequestError(
+                f"{self.location.url}: ShardWriter(reuse_staging=True) reuses its staging memory only in saves it "
+                "stages itself, but this async save was staged by another stager (dcp.async_save(async_stager=...)); "
+                "drop async_stager and call writer.async_save, or leave reuse_staging at None"
+            )
+
     def finish_async_save_first(self) -> None:
         """Called where every save starts (``reset``, ``set_up_storage_writer``): a save started
         on the thread that started the async save still running (a plain ``dcp.save`` after
@@ -294,6 +316,7 @@ class AsyncStagingMixin(AsyncStager):
 
     # -- process executor: the writer is pickled to DCP's checkpoint process ----------------
     def __getstate__(self) -> dict[str, Any]:
+        self.check_staged_here()  # the process executor pickles the writer on its upload thread
         state = self.__dict__.copy()
         state["staging"] = StagingBuffers(self.staging.reuse)  # buffers stay in this process
         state["_pending_save"] = None  # futures do not pickle; the child never stages

@@ -266,6 +266,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         """Where a save begins on its thread: report a failed async save, wait for its turn,
         then take a new save id (the commit marker's, never reused)."""
         self.finish_async_save_first()
+        self.check_staged_here()
         number = self.slot.enter(set_up)
         if number is not None:  # None: a later begin call of the same save
             self.save_number = number

@@ -687,6 +687,34 @@ def test_direct_dcp_async_save_is_refused_with_reuse_staging_true(tmp_path):
         ShardWriter(tmp_path, reuse_staging=1)
 
 
+def another_stager_job(rank: int, world: int, path: str, executor: AsyncCheckpointerType) -> None:
+    writer = ShardWriter(path, reuse_staging=True)
+    for stager in (BlockingAsyncStager(), DefaultStager(StagingOptions(False, False, False, False))):
+        future = dcp.async_save(sample_state(1), storage_writer=writer, planner=ShardSavePlanner(),
+                                async_stager=stager, async_checkpointer_type=executor)
+        with pytest.raises((CheckpointException, InvalidRequestError)) as info:
+            future.result(timeout=120)
+        error = info.value.failures[rank][0] if isinstance(info.value, CheckpointException) else info.value
+        assert isinstance(error, InvalidRequestError) and "staged by another stager" in str(error), error
+        stager.close()
+    assert not any(is_data_file(n) for n in os.listdir(path))  # refused before a byte is written
+    for seed in (2, 3):  # the writer's own async saves go on reusing its memory
+        _start(sample_state(seed), writer, executor=executor).result(timeout=120)
+    assert writer.staging.allocations == 1
+    writer.close()
+    assert_state_dict_equal(load(sample_state(3), path)[0], sample_state(3))
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("executor", EXECUTORS, ids=lambda e: e.value)
+def test_reuse_staging_true_refuses_a_save_another_stager_staged(tmp_path, executor):
+    """``dcp.async_save(storage_writer=writer, async_stager=...)`` stages with that stager and
+    never calls the writer's: ``reuse_staging=True`` took no effect, silently. The upload
+    now fails naming it (where DCP first hands the save to the writer: its thread
+    executor's save, or the pickling into its checkpoint process)."""
+    run_job(another_stager_job, 1, str(tmp_path), executor)
+
+
 @pytest.mark.parametrize(
     "reuse_staging, start",
     [(False, "writer.async_save"), (False, "dcp.async_save"), (None, "dcp.async_save")],
