@@ -122,6 +122,12 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             raise InvalidRequestError("ShardSavePlanner: group= only applies with cache_plans=True (it runs the digest exchange)")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise InvalidRequestError(f"ShardSavePlanner(group=...) must be a torch.distributed ProcessGroup or None, got {group!r}")
+        if type(self).create_local_plan is not ShardSavePlanner.create_local_plan:
+            raise InvalidRequestError(
+                f"{type(self).__name__}: a subclass of ShardSavePlanner cannot override create_local_plan: the plan "
+                "sent up is built from the whole state dict (a table of its items), so items it leaves out would "
+                "still be saved; leave keys out of the state dict instead, or subclass DCP's DefaultSavePlanner"
+            )
         super().__init__(*args, **kwargs)
         self.replica_locality = replica_locality
         self.tp_dim = tp_dim or "tp"
@@ -359,7 +365,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     def __init__(self, *args: Any, allow_unsafe_bytes: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.allow_unsafe_bytes = options.flag("ShardLoadPlanner", "allow_unsafe_bytes", allow_unsafe_bytes)
-        self._local_items: list[ReadItem] = []
+        self._local_items: list[ReadItem] | None = []  # None: the plan went up whole (a subclass's)
         self._shared: set[int] | None = None  # per load: see _shared_tensors
 
     def create_local_plan(self) -> LoadPlan:
@@ -369,10 +375,17 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
             plan = LoadPlan(local_read_items(self.state_dict, keys, strict=not self.allow_partial_load))
         else:
             plan = super().create_local_plan()
+        if type(self).create_local_plan is not ShardLoadPlanner.create_local_plan:
+            # a subclass's own create_local_plan changes the items (reads less on purpose): it
+            # gets them, and DCP's plan is its result, as with DefaultLoadPlanner
+            self._local_items = None
+            return plan
         self._local_items = plan.items
         return dataclasses.replace(plan, items=[])
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        if self._local_items is None:
+            return super().finish_plan(new_plan)
         return super().finish_plan(dataclasses.replace(new_plan, items=self._local_items))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:

@@ -8,6 +8,9 @@ called for every tensor item, and where it sends the bytes is where they land.
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -74,3 +77,37 @@ def test_a_transform_tensor_set_on_the_instance_is_called_for_every_item(tmp_pat
     for key, want in saved.items():
         assert_tensor_equal(seen[key], want, key)
         assert_tensor_equal(got[key], before[key], key)  # the bytes went where the override said
+
+
+class KeepsNewRows(ShardLoadPlanner):
+    """DCP's usual extension point: a create_local_plan that reads less on purpose."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, items=[i for i in plan.items if i.dest_index.fqn != "keep"])
+
+
+@pytest.mark.parametrize("reader", ["ours", "stock"])
+def test_a_subclass_create_local_plan_decides_what_is_read(tmp_path, reader):
+    """The planner sent up an empty plan and put its own items back in finish_plan, so a
+    subclass saw no items and its filtering was thrown away: "keep" was overwritten."""
+    dcp.save({"keep": torch.zeros(4), "other": torch.arange(4.0)}, storage_writer=ShardWriter(tmp_path), no_dist=True)
+    state = {"keep": torch.full((4,), 7.0), "other": garbage_like(torch.arange(4.0))}
+    storage = ShardReader(tmp_path) if reader == "ours" else dcp.FileSystemReader(tmp_path)
+    dcp.load(state, storage_reader=storage, planner=KeepsNewRows(), no_dist=True)
+    assert_tensor_equal(state["keep"], torch.full((4,), 7.0), "keep")
+    assert_tensor_equal(state["other"], torch.arange(4.0), "other")
+
+
+def test_a_save_planner_subclass_overriding_create_local_plan_is_refused(tmp_path):
+    """Its items were thrown away too: a key it dropped was saved. The plan is built from
+    tables of the whole state dict, so the override cannot take effect."""
+    from dcp_ext import InvalidRequestError, ShardSavePlanner
+
+    class DropsSecret(ShardSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            return dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "secret"])
+
+    with pytest.raises(InvalidRequestError, match="DropsSecret: a subclass of ShardSavePlanner cannot override create_local_plan"):
+        DropsSecret()
