@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import CheckpointError, InvalidRequestError
-from dcp_ext.storage.save_tracking import NOT_AN_UPLOAD, uploaded_state_dict
+from dcp_ext.storage.save_tracking import NOT_AN_UPLOAD, OPEN_SAVES, uploaded_state_dict
 
 NodePath = tuple[Any, ...]
 
@@ -340,6 +340,7 @@ class AsyncStagingMixin(AsyncStager):
         concurrent.futures.wait([pending.future])
         error = None if pending.future.cancelled() else pending.future.exception()
         if error is not None:
+            OPEN_SAVES.discard_failed()  # its files (and the directory it made) go now, as a plain save's do
             raise CheckpointError(
                 f"{pending.checkpoint}: the previous async save through this writer failed in the "
                 f"background; the directory holds the last checkpoint that committed: "

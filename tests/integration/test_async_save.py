@@ -380,6 +380,19 @@ def failure_job(rank: int, world: int, base: str, executor: AsyncCheckpointerTyp
     on_disk = {name for name in os.listdir(path) if is_data_file(name)}
     assert on_disk == {item.relative_path for item in reader.catalog.items.values()}, (where, on_disk)
 
+    # 4. a failed save into a new step directory: the failure reported at the next save (a
+    # plain dcp.save through the writer) removes the directory it made; it stayed until
+    # writer.close()
+    step = os.path.join(base, "step9")
+    fut = _start(sd, writer, checkpoint_id=step, planner=FailingPlanner(fail_rank=world - 1), executor=executor)
+    with pytest.raises(CheckpointException, match="injected failure"):
+        fut.result(timeout=60)
+    dist.barrier()
+    with pytest.raises(CheckpointError, match="failed in the background"):
+        dcp.save(sd, storage_writer=writer, planner=ShardSavePlanner(), checkpoint_id=os.path.join(base, "step10"))
+    dist.barrier()
+    assert sorted(os.listdir(base)) == ["ckpt"], (where, os.listdir(base))
+
 
 def _sharded_tensor(rank: int, world: int, value: float) -> ShardedTensor:
     """A (2 * world, 3) ShardedTensor: two rows per rank, all ``value``."""
