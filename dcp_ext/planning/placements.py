@@ -105,6 +105,13 @@ def _is_optimizer_state_dict(value: dict) -> bool:
 
 
 def _checked_placements(mesh: DeviceMesh, placements: Sequence[Placement], ndim: int, name: str) -> list[Placement]:
+    if not isinstance(mesh, DeviceMesh):
+        raise InvalidRequestError(f"{name}: the checkpoint mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(placements, (list, tuple)):  # a bare Shard(0) was "not iterable", naming no key
+        raise InvalidRequestError(
+            f"{name}: checkpoint placements must be a list with one placement per mesh dim (or None from "
+            f"placement_fn: leave the key alone), got {placements!r}"
+        )
     placements = list(placements)
     if len(placements) != mesh.ndim:
         raise InvalidRequestError(f"{name}: {len(placements)} checkpoint placements for the {mesh.ndim}-D mesh {describe_mesh(mesh)}")

@@ -228,6 +228,14 @@ def mesh_error_job(rank: int, world: int, path: str) -> dict:
         with pytest.raises(ValueError) as no_dim:
             with_checkpoint_placements(tensor, mesh, [Replicate(), Shard(tensor.ndim)], name=EVEN)
         errors[f"dim {tensor.ndim}"] = str(no_dim.value)
+    # what placement_fn returns, checked by name (a bare Shard(0) was "'Shard' object is not iterable")
+    for label, placements in (("bare", Shard(0)), ("number", 5), ("count", [Shard(0)]), ("kind", [Replicate(), "Shard(0)"])):
+        with pytest.raises(ValueError) as wrong:
+            with_checkpoint_placements(block, mesh, placements, name=EVEN)
+        errors[label] = str(wrong.value)
+    with pytest.raises(ValueError) as not_a_mesh:
+        with_checkpoint_placements(block, "mesh", placements, name=EVEN)
+    errors["mesh"] = str(not_a_mesh.value)
     return errors
 
 
@@ -242,6 +250,12 @@ def test_fsdp_mesh_matching_no_checkpoint_axis_raises(tmp_path):
         assert "also shard" in errors["conflict"] and "axis ep" in errors["conflict"], errors["conflict"]
         assert errors["dim 2"] == f"{EVEN}: checkpoint placements [Shard(dim=2)] shard a dim the 2-D tensor does not have"
         assert errors["dim 0"] == f"{EVEN}: checkpoint placements [Shard(dim=0)] shard a dim the 0-D tensor does not have"
+        for label, shown in (("bare", "Shard(dim=0)"), ("number", "5")):
+            assert errors[label] == (f"{EVEN}: checkpoint placements must be a list with one placement per mesh dim (or "
+                                     f"None from placement_fn: leave the key alone), got {shown}"), errors[label]
+        assert errors["count"].startswith(f"{EVEN}: 1 checkpoint placements for the 2-D mesh"), errors["count"]
+        assert errors["kind"] == f"{EVEN}: checkpoint placements must be Shard or Replicate, got ['Shard(0)']", errors["kind"]
+        assert errors["mesh"] == f"{EVEN}: the checkpoint mesh must be a DeviceMesh, got str", errors["mesh"]
     assert "edp=[1, 3], ep=[2, 3]" in results[3]["unmatched"], results[3]["unmatched"]
 
 
