@@ -31,7 +31,6 @@ class ShardLocalPlan(SavePlan):
     chunk_digests: np.ndarray | None = None  # (rows, 2) uint64, see replica_check
     unit_hashes: np.ndarray | None = None  # (units, 2) uint64 instead, for a reused plan (replica_units)
     tp_rank: int | None = None  # this rank's coordinate on the tensor-parallel mesh dim
-    placed: int | None = None  # tensors placement_fn gave placements on this rank (None: no placement_fn)
 
 
 def assigned_items(items: list[WriteItem], assignment: RankAssignment) -> list[WriteItem]:

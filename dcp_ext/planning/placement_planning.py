@@ -26,19 +26,11 @@ class _Placements:
             raise InvalidRequestError(f"{owner}(mesh=...) must be a DeviceMesh, got {type(mesh).__name__}")
         self.placement_fn = options.callback(owner, "placement_fn", placement_fn)
         self.mesh = mesh
-        self.placed: int | None = None  # tensors the last ``apply`` gave placements (None: no placement_fn)
 
     def apply(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self.placement_fn is None or self.mesh is None:
             return state_dict
-        placement_fn, self.placed = self.placement_fn, 0
-
-        def counted(fqn: str, tensor: Any) -> Any:
-            placements = placement_fn(fqn, tensor)
-            self.placed += placements is not None  # type: ignore[operator]
-            return placements
-
-        return checkpoint_state_dict(state_dict, counted, self.mesh)
+        return checkpoint_state_dict(state_dict, self.placement_fn, self.mesh)
 
 
 class PlacementSaveMixin:

@@ -180,7 +180,6 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             chunk_digests=digests if units is None else None,
             unit_hashes=None if units is None else unit_hashes(digests, units),
             tp_rank=tp_rank,
-            placed=self._placements.placed,
         )
 
     def _chunk_digests(self, items: list[WriteItem], units: ReplicaUnits | None) -> np.ndarray:
@@ -224,12 +223,6 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             raise InvalidRequestError(
                 f"ShardSavePlanner: the digest exchange ran on {self._agreement.world} ranks but dcp.save gathered "
                 f"{len(plans)} plans: pass ShardSavePlanner(group=...) the process group given to dcp.save"
-            )
-        if self._placements.placement_fn is not None and not any(plan.placed for plan in plans):
-            keys = ", ".join(repr(item.index.fqn) for item in self._local_items[:3])
-            raise InvalidRequestError(
-                f"ShardSavePlanner(placement_fn=...) returned None for every tensor on all {len(plans)} ranks, so it "
-                f"would be ignored (the keys it is given look like {keys}): check the key patterns it matches"
             )
         tp_ranks = [plan.tp_rank for plan in plans] if self.replica_locality else None
         key = plan_key([plan.table_digest for plan in plans], tp_ranks)
