@@ -180,14 +180,27 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             self._token = uuid.uuid4().hex[:12]
             OPEN_SAVES.track(OpenSave(self.location, self._token, self.save_id, self._created_dir))
         if not self.overwrite:
-            held = held_format(self.location)
-            if held == "dcp":
-                raise CheckpointExistsError(
-                    f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
-                )
-            if held is not None:  # ours beside it would hide it from every reader of our format
-                raise CheckpointExistsError(f"{self.location.url}: holds a {held} checkpoint and overwrite=False")
+            self._refuse_a_held_checkpoint()
         return dataclasses.replace(plan, storage_data=SaveOrder(self.save_number, self.location.url))
+
+    def _refuse_a_held_checkpoint(self) -> None:
+        """``overwrite=False``: refuse a directory holding a checkpoint. ``.metadata`` on every
+        rank, as stock looks; the other formats we read (ours beside one would hide it from
+        every reader of our format) on the coordinator alone, which lists the directory. A
+        file that only shares a format's name (a ``metadata.json`` of the user's that does
+        not parse) is no checkpoint of that format."""
+        if self.location.exists(METADATA_NAME):
+            raise CheckpointExistsError(
+                f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
+            )
+        if not self.is_coordinator:
+            return
+        try:
+            held = held_format(self.location)
+        except CheckpointError:
+            return
+        if held is not None:
+            raise CheckpointExistsError(f"{self.location.url}: holds a {held} checkpoint and overwrite=False")
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         check_same_save(plans)

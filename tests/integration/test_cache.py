@@ -119,6 +119,19 @@ def test_overwrite_false_refuses_a_checkpoint_of_another_format(tmp_path, held):
     assert set(ShardReader(target, cache_metadata=False).read_metadata().state_dict_metadata) == keys
 
 
+@pytest.mark.parametrize("content", ["a JSON list", "empty", "torch_dist without .metadata"])
+def test_overwrite_false_takes_a_directory_whose_metadata_json_is_no_checkpoint(tmp_path, content):
+    """A metadata.json of the user's (or of an interrupted Megatron save) failed the
+    refusal's format detection, as a corrupt or incomplete checkpoint: it is none."""
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    text = {"a JSON list": "[1, 2]", "empty": "", "torch_dist without .metadata": '{"sharded_backend": "torch_dist"}'}
+    (target / "metadata.json").write_text(text[content])
+    state = sample_state()
+    save(state, target, overwrite=False)
+    assert_state_dict_equal(load(state, target)[0], state)
+
+
 def test_index_loaded_metadata_equals_the_pickle(tmp_path):
     """The index builds storage_data on first use; read, iterated or pickled it is the
     plain dict stock DCP unpickles, and the tensor entries match chunk for chunk."""
