@@ -24,6 +24,12 @@ from dcp_ext.planning.global_plan import RankAssignment
 from dcp_ext.planning.plan_table import PlanTable
 
 
+class TableItems(list):  # type: ignore[type-arg]
+    """A ShardLocalPlan's ``items``: always empty, the plan travels as its table. A plan
+    whose items come back as another list (a subclass's ``create_local_plan`` that filtered
+    them) is refused: the table still holds every item, which would all be saved."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLocalPlan(SavePlan):
     table: PlanTable | None = None  # None: the coordinator gets it elsewhere (digest_exchange)

@@ -26,7 +26,7 @@ from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
 from dcp_ext.planning.load_plan import local_read_items
-from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
+from dcp_ext.planning.local_plan import ShardLocalPlan, TableItems, assigned_items
 from dcp_ext.planning.local_shards import ChunkMemo, local_write_items
 from dcp_ext.planning.locality import tp_coordinate
 from dcp_ext.planning.placement_planning import PlacementLoadMixin, PlacementSaveMixin
@@ -122,12 +122,6 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             raise InvalidRequestError("ShardSavePlanner: group= only applies with cache_plans=True (it runs the digest exchange)")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise InvalidRequestError(f"ShardSavePlanner(group=...) must be a torch.distributed ProcessGroup or None, got {group!r}")
-        if type(self).create_local_plan is not ShardSavePlanner.create_local_plan:
-            raise InvalidRequestError(
-                f"{type(self).__name__}: a subclass of ShardSavePlanner cannot override create_local_plan: the plan "
-                "sent up is built from the whole state dict (a table of its items), so items it leaves out would "
-                "still be saved; leave keys out of the state dict instead, or subclass DCP's DefaultSavePlanner"
-            )
         super().__init__(*args, **kwargs)
         self.replica_locality = replica_locality
         self.tp_dim = tp_dim or "tp"
@@ -174,7 +168,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
                 units = remembered_units(self._agreement.plan_id)
             digests = self._chunk_digests(items, units)
         return ShardLocalPlan(
-            items=[],
+            items=TableItems(),
             table=table if send_table else None,
             table_digest=table.digest,
             chunk_digests=digests if units is None else None,
@@ -303,6 +297,13 @@ def _shard_plan(plan: SavePlan, rank: int) -> ShardLocalPlan:
             f"ShardSavePlanner: rank {rank}'s local plan is a {type(plan).__name__} without a table digest; "
             "every rank must save with ShardSavePlanner, and the storage writer's prepare_local_plan must keep "
             "the plan's fields (dataclasses.replace(plan, storage_data=...))"
+        )
+    if type(plan.items) is not TableItems or plan.items:
+        raise InvalidRequestError(
+            f"ShardSavePlanner: rank {rank}'s local plan came back with items of its own (a subclass's "
+            "create_local_plan that changed them?); this planner saves from a table of the whole state dict, so "
+            "items left out would still be saved: leave keys out of the state dict instead, or subclass DCP's "
+            "DefaultSavePlanner"
         )
     return plan
 

@@ -99,9 +99,12 @@ def test_a_subclass_create_local_plan_decides_what_is_read(tmp_path, reader):
     assert_tensor_equal(state["other"], torch.arange(4.0), "other")
 
 
-def test_a_save_planner_subclass_overriding_create_local_plan_is_refused(tmp_path):
-    """Its items were thrown away too: a key it dropped was saved. The plan is built from
-    tables of the whole state dict, so the override cannot take effect."""
+def test_a_save_planner_subclass_that_changes_its_local_items_is_refused(tmp_path):
+    """Its items were thrown away: a key it dropped was saved (the plan travels as a table of
+    the whole state dict). A subclass that changes the items is refused before anything is
+    written; one that only wraps create_local_plan saves as before."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from dcp_ext import InvalidRequestError, ShardSavePlanner
 
     class DropsSecret(ShardSavePlanner):
@@ -109,5 +112,20 @@ def test_a_save_planner_subclass_overriding_create_local_plan_is_refused(tmp_pat
             plan = super().create_local_plan()
             return dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "secret"])
 
-    with pytest.raises(InvalidRequestError, match="DropsSecret: a subclass of ShardSavePlanner cannot override create_local_plan"):
-        DropsSecret()
+    class Logs(ShardSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            self.logged = len(plan.items)
+            return plan
+
+    state = {"secret": torch.ones(2), "w": torch.arange(3.0)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state, storage_writer=ShardWriter(tmp_path / "dropped"), planner=DropsSecret(), no_dist=True)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, InvalidRequestError) and "rank 0's local plan came back with items of its own" in str(error)
+    assert not (tmp_path / "dropped" / ".metadata").exists()
+    planner = Logs()
+    dcp.save(state, storage_writer=ShardWriter(tmp_path / "logged"), planner=planner, no_dist=True)
+    out = {k: garbage_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=ShardReader(tmp_path / "logged"), no_dist=True)
+    assert planner.logged == 0 and all(torch.equal(out[k], v) for k, v in state.items())

@@ -32,18 +32,15 @@ from mp import run_job
 from support import assert_state_dict_equal, garbage_like, load_error, save
 
 
-class _ProbeWriter(ShardWriter):
+class _Probe(ShardSavePlanner):
     """Records what this rank's local plan puts on the wire."""
 
-    def prepare_local_plan(self, plan):
-        self.sent_bytes = len(pickle.dumps(plan))  # the planner's part, before the writer adds its own
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.sent_bytes = len(pickle.dumps(plan))
         self.sent_table = plan.table is not None
         self.sent_hashes = plan.unit_hashes is not None
-        return super().prepare_local_plan(plan)
-
-
-class _Probe(ShardSavePlanner):
-    """Records which chunks this rank digests."""
+        return plan
 
     def _rows_to_digest(self, items, units):
         rows, marked = super()._rows_to_digest(items, units)
@@ -70,8 +67,8 @@ def _local(state: dict) -> dict:
 
 def _save_and_check(mesh, path: str, seed: int) -> dict:
     state = _state(mesh, seed)
-    planner, writer = _Probe(group=torch.distributed.group.WORLD), _ProbeWriter(path)
-    dcp.save(state, storage_writer=writer, planner=planner)
+    planner = _Probe(group=torch.distributed.group.WORLD)
+    dcp.save(state, storage_writer=ShardWriter(path), planner=planner)
     got = {
         k: distribute_tensor(garbage_like(v.full_tensor()), mesh, v.placements, src_data_rank=None)
         if isinstance(v, DTensor)
@@ -80,7 +77,7 @@ def _save_and_check(mesh, path: str, seed: int) -> dict:
     }
     dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
     assert_state_dict_equal(_local(got), _local(state))
-    return {"bytes": writer.sent_bytes, "table": writer.sent_table, "hashes": writer.sent_hashes, "reused": planner.plan_reused,
+    return {"bytes": planner.sent_bytes, "table": planner.sent_table, "hashes": planner.sent_hashes, "reused": planner.plan_reused,
             "digested": planner.digested}
 
 
@@ -148,13 +145,13 @@ def held_alone_job(rank: int, world_size: int, path: str) -> dict:
     for label, group in (("no group", None), ("group", torch.distributed.group.WORLD)):
         for save in ("first", "reused"):
             state = _mixed_state(mesh, len(out))
-            planner, writer = _Probe(group=group), _ProbeWriter(path)
-            dcp.save(state, storage_writer=writer, planner=planner)
+            planner = _Probe(group=group)
+            dcp.save(state, storage_writer=ShardWriter(path), planner=planner)
             got = {k: distribute_tensor(garbage_like(v.full_tensor()), mesh, v.placements, src_data_rank=None)
                    if isinstance(v, DTensor) else garbage_like(v) for k, v in state.items()}
             dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
             assert_state_dict_equal(_local(got), _local(state))
-            out[f"{label} {save}"] = (planner.digested, writer.sent_hashes)
+            out[f"{label} {save}"] = (planner.digested, planner.sent_hashes)
         try:
             dcp.save(_mixed_state(mesh, 9, skew=True), storage_writer=ShardWriter(path), planner=ShardSavePlanner(group=group))
             out[f"{label} skew"] = "saved"
