@@ -13,9 +13,9 @@ from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.detect import detect_format
 from dcp_ext.megatron.legacy import LegacyCheckpoint
 from dcp_ext.formats.safe_load import safe_torch_load
-from dcp_ext.megatron.torch_dist import COMMON_PT, common_state_key
+from dcp_ext.megatron.torch_dist import COMMON_PT, check_complete, common_state_key, is_megatron_catalog
 from dcp_ext.storage.catalog import read_catalog
-from dcp_ext.storage.catalog_formats import FORMATS, check_options_apply, open_catalog
+from dcp_ext.storage.catalog_formats import FORMATS, check_options_apply
 from dcp_ext.storage.location import Location
 
 
@@ -37,9 +37,6 @@ def load_common_state(
     kind = detect_format(location)
     if kind == "legacy":
         check_options_apply(location, options, FORMATS["legacy"].option_names, "legacy")
-    else:  # the options a load of it takes, and its completeness, checked as for a load
-        open_catalog(location, options=options)
-    if kind == "legacy":
         checkpoint = LegacyCheckpoint(location, options)  # its tensors are layouts: load the values
         path = checkpoint.files[(0, 0, 0)]
         where = f"{location.url}/{path}"
@@ -47,11 +44,13 @@ def load_common_state(
         state = safe_torch_load(local, where, mmap=True) if local else safe_torch_load(location.read_bytes(path), where)
         return {key: value for key, value in state.items() if key in checkpoint.common}
     if location.exists(COMMON_PT):
+        _check_as_a_load(location, options, kind, megatron=True)
         return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}")
     if kind == "dcp":
         catalog = read_catalog(location)
         key = common_state_key(catalog.metadata)
         if key is not None:
+            _check_as_a_load(location, options, kind, megatron=is_megatron_catalog(location, catalog))
             item = catalog.item(MetadataIndex(key))
             where = f"{location.url}/{item.relative_path} key {key!r}"
             _check_holds(location, item.relative_path, item.offset + item.length, where)
@@ -61,6 +60,21 @@ def load_common_state(
             state = safe_torch_load(bytes(buf), where)
             return state[0] if isinstance(state, list) and len(state) == 1 else state
     raise CheckpointError(f"{location.url}: no Megatron common state ({COMMON_PT} or a common_state object)")
+
+
+def _check_as_a_load(location: Location, options: MegatronOptions, kind: str | None, megatron: bool) -> None:
+    """The options given, and a Megatron save's completeness (its ``metadata.json``), checked
+    as a load of the checkpoint checks them, without parsing its catalog: a caller after
+    ``args`` alone should not pay for every key's metadata."""
+    if kind is None:  # a directory of a common.pt alone: nothing to check it against
+        check_options_apply(location, options, frozenset(), "directory's")
+        return
+    if not megatron:  # a DCP checkpoint (ours, converted) holding the common-state object
+        check_options_apply(location, options, frozenset(), "dcp")
+        return
+    backend = "zarr" if kind == "zarr" else "torch_dist"
+    check_options_apply(location, options, FORMATS["zarr"].option_names, "zarr" if kind == "zarr" else "Megatron torch_dist")
+    check_complete(location, backend, options)
 
 
 def _check_holds(location: Location, path: str, end: int, where: str) -> None:
