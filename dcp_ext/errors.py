@@ -50,14 +50,15 @@ class InvalidRequestError(CheckpointError, ValueError):
 
 
 class IgnoredOptionsError(InvalidRequestError):
-    """Options given that the checkpoint read cannot use (``names``, as the API spells
-    them; ``reason`` says why): a front end that spells them otherwise (the CLI's flags)
-    says so in its own words."""
+    """Options given that the checkpoint read cannot use: ``names``, the ones it reads
+    (``used``) and its ``kind``, as the API spells them, so that a front end that spells
+    them otherwise (the CLI's flags) can say the same in its own words."""
 
-    def __init__(self, message: str, names: tuple[str, ...] = (), reason: str = ""):
+    def __init__(self, message: str, names: tuple[str, ...] = (), used: tuple[str, ...] = (), kind: str = ""):
         super().__init__(message)
         self.names = names
-        self.reason = reason
+        self.used = used
+        self.kind = kind
 
 
 class StorageFullError(CheckpointError):

@@ -15,6 +15,7 @@ from dcp_ext.conversion.hf_export import export_safetensors
 from dcp_ext.errors import IgnoredOptionsError, InvalidRequestError
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.convert import convert
+from dcp_ext.storage.catalog_formats import ignored_because
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +87,8 @@ def _flags_named(src: str) -> Iterator[None]:
         yield
     except IgnoredOptionsError as exc:
         flags = ", ".join(_MEGATRON_FLAGS[name] for name in exc.names)
-        raise InvalidRequestError(f"{src}: {flags} would be ignored: {exc.reason}") from None
+        reason = ignored_because(exc.kind, [_MEGATRON_FLAGS[name] for name in exc.used])
+        raise InvalidRequestError(f"{src}: {flags} would be ignored: {reason}") from None
 
 
 def _commit_marker(args: argparse.Namespace) -> bool | None:

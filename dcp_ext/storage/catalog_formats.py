@@ -104,14 +104,19 @@ def check_options_apply(location: Location, options: Any, used: frozenset[str], 
     reads ``used``, would ignore."""
     unused = sorted(options.given() - used)
     if unused:
-        reads = f"reads only {', '.join(sorted(used))}" if used else "reads none"
-        reason = f"this {kind} checkpoint {reads}"
+        given = ", ".join(f"{name}=..." for name in unused)
         raise IgnoredOptionsError(
-            f"{location.url}: megatron=MegatronOptions({', '.join(f'{name}=...' for name in unused)}) would be "
-            f"ignored: {reason}",
+            f"{location.url}: megatron=MegatronOptions({given}) would be ignored: {ignored_because(kind, sorted(used))}",
             tuple(unused),
-            reason,
+            tuple(sorted(used)),
+            kind,
         )
+
+
+def ignored_because(kind: str, used: list[str]) -> str:
+    """Why options would be ignored, with ``used`` (the ones a ``kind`` checkpoint reads)
+    spelled as the caller names them."""
+    return f"this {kind} checkpoint reads only {', '.join(used)}" if used else f"this {kind} checkpoint reads none"
 
 
 def with_views(location: Location, catalog: Catalog, options: Any = None, check_options: bool = True, shared: bool = False) -> Catalog:

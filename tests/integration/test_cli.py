@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_ext.formats.index import INDEX_NAME
 
-from support import RunsCode, assert_state_dict_equal, load, sample_state, save
+from support import FIXTURES, RunsCode, assert_state_dict_equal, load, sample_state, save
 
 
 def dcp_ext_cli(*args: str) -> subprocess.CompletedProcess:
@@ -140,6 +140,9 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "convert --to hf --allow-incomplete of a DCP checkpoint": (
             ["convert", str(ckpt), str(tmp_path / "o14"), "--to", "hf", "--allow-incomplete", "--partition-dim", "x=0"],
             f"{ckpt}: --allow-incomplete, --partition-dim would be ignored"),
+        "convert --iteration of a zarr checkpoint": (  # what it reads is named as a flag too
+            ["convert", str(FIXTURES / "megatron" / "mcore012_zarr_tp2"), str(tmp_path / "o16"), "--iteration", "5"],
+            "--iteration would be ignored: this zarr checkpoint reads only --allow-incomplete"),
         "convert --iteration -1": (["convert", str(ckpt), str(tmp_path / "o15"), "--iteration=-1"], "--iteration '-1' is neither"),
         "convert --partition-dim not a regex": (
             ["convert", str(ckpt), str(tmp_path / "o5"), "--partition-dim", "(=0"], "--partition-dim '(' is not a regular expression"),
@@ -174,6 +177,7 @@ def user_mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
     "convert into memory://", "convert a checkpoint whose item runs code",
     "convert a checkpoint whose item runs code: the opt-out named", "convert --to hf --allow-unsafe-bytes",
     "convert --to hf --allow-incomplete of a DCP checkpoint", "convert --iteration -1", "convert onto a dangling symlink",
+    "convert --iteration of a zarr checkpoint",
 ])
 def test_user_mistakes_end_in_one_error_line(tmp_path, capsys, mistake):
     from dcp_ext.cli.main import main
