@@ -40,17 +40,23 @@ def _state(world: int) -> dict[str, DTensor]:
     return {k: distribute_tensor(v, mesh, [Replicate(), SPECS[k][1]]) for k, v in full_tensors().items()}
 
 
-def _save_and_reload(rank: int, world: int, path: str, locality: bool) -> tuple[int, int]:
-    """Save at TP=world, reload at the same layout; return (files opened, own data files)."""
+def _save_and_reload_with(reader: ShardReader, world: int, locality: bool) -> None:
+    """Save at TP=world into the reader's checkpoint, reload through it at the same layout
+    into garbage, and check every local shard."""
     state = _state(world)
-    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=locality))
+    dcp.save(state, storage_writer=ShardWriter(reader.location.url), planner=ShardSavePlanner(replica_locality=locality))
     expected = {k: v.to_local().clone() for k, v in state.items()}
     for value in state.values():
         value.to_local().copy_(garbage_like(value.to_local()))
-    reader = ShardReader(path)
     dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
     for name, value in state.items():
         assert_tensor_equal(value.to_local(), expected[name], name)
+
+
+def _save_and_reload(rank: int, world: int, path: str, locality: bool) -> tuple[int, int]:
+    """Save at TP=world, reload at the same layout; return (files opened, own data files)."""
+    reader = ShardReader(path)
+    _save_and_reload_with(reader, world, locality)
     own = [n for n in os.listdir(path) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
     return reader.stats.files_opened, len(own)
 
@@ -76,15 +82,8 @@ def test_each_tp_rank_reads_only_its_own_files(tmp_path):
 
 def _two_stage_reload(rank: int, world: int, path: str, locality: bool) -> tuple[int, int]:
     """Save at TP=world, reload two-stage; return the group's (bytes read, bytes received)."""
-    state = _state(world)
-    dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner(replica_locality=locality))
-    expected = {k: v.to_local().clone() for k, v in state.items()}
-    for value in state.values():
-        value.to_local().copy_(garbage_like(value.to_local()))
     reader = ShardReader(path, two_stage=True)
-    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
-    for name, value in state.items():
-        assert_tensor_equal(value.to_local(), expected[name], name)
+    _save_and_reload_with(reader, world, locality)
     counts = torch.tensor([reader.stats.bytes_read, reader.stats.bytes_received])
     torch.distributed.all_reduce(counts)
     return int(counts[0]), int(counts[1])
