@@ -8,7 +8,9 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.formats.data_files import is_data_file
 from dcp_ext.formats.faults import file_too_short
+from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.detect import detect_format
 from dcp_ext.megatron.legacy import LegacyCheckpoint
@@ -43,8 +45,8 @@ def load_common_state(
         local = location.local_file(path)  # memory-mapped: the weights in that file stay unread
         state = safe_torch_load(local, where, mmap=True) if local else safe_torch_load(location.read_bytes(path), where)
         return {key: value for key, value in state.items() if key in checkpoint.common}
-    if location.exists(COMMON_PT):
-        _check_as_a_load(location, options, kind, megatron=True)
+    if location.exists(COMMON_PT):  # Megatron's mark, unless beside our index (a convert's copy: is_megatron_catalog)
+        _check_as_a_load(location, options, kind, megatron=kind != "dcp" or not location.exists(INDEX_NAME))
         return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}")
     if kind == "dcp":
         catalog = read_catalog(location)
@@ -66,12 +68,14 @@ def _check_as_a_load(location: Location, options: MegatronOptions, kind: str | N
     """The options given, and a Megatron save's completeness (its ``metadata.json``), checked
     as a load of the checkpoint checks them, without parsing its catalog: a caller after
     ``args`` alone should not pay for every key's metadata."""
-    if kind is None:  # a directory of a common.pt alone: nothing to check it against
-        check_options_apply(location, options, frozenset(), "directory's")
+    if kind is None and not any(is_data_file(name) for name in location.listdir()):
+        check_options_apply(location, options, frozenset(), "directory's")  # a common.pt alone
         return
     if not megatron:  # a DCP checkpoint (ours, converted) holding the common-state object
         check_options_apply(location, options, frozenset(), "dcp")
         return
+    # a torch_dist save (also one interrupted before its .metadata: megatron-core writes
+    # common.pt first, the data files next, metadata.json last) or a zarr one
     backend = "zarr" if kind == "zarr" else "torch_dist"
     check_options_apply(location, options, FORMATS["zarr"].option_names, "zarr" if kind == "zarr" else "Megatron torch_dist")
     check_complete(location, backend, options)

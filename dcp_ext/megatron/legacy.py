@@ -158,7 +158,7 @@ class LegacyCheckpoint:
         unmatched = [pattern for pattern in rules if not any(re.search(pattern, name) for name in names)]
         if unmatched:
             raise InvalidRequestError(
-                f"{where}: MegatronOptions(partition_dims=...): {unmatched} match no parameter "
+                f"{where}: MegatronOptions(partition_dims=...) (dcp-ext convert --partition-dim): {unmatched} match no parameter "
                 f"(parameters are named like {sorted(names)[:3]})"
             )
 

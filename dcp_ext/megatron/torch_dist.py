@@ -48,16 +48,17 @@ _VIEWS: Lru[tuple[Catalog, Catalog]] = Lru(16, lambda entry: entry[0].rows() + e
 def is_megatron_catalog(location: Location, catalog: Catalog) -> bool:
     """Megatron marks: ``mcore_data`` on the metadata, the common-state object, or ``common.pt``.
 
-    The common-state object marks only data Megatron wrote: ``dcp-ext convert`` copies it
-    into a ShardWriter checkpoint (one with our index), which is complete without Megatron's
-    ``metadata.json``.
+    Only in data Megatron wrote (no index of ours): ``dcp-ext convert`` copies the
+    common-state object into a ShardWriter checkpoint, and its note sends users to the
+    source's ``common.pt``, which they may put beside the copy; that copy is complete
+    without Megatron's ``metadata.json``.
     """
     metadata = catalog.metadata
     if getattr(metadata, "mcore_data", None) is not None:
         return True
-    if not catalog.indexed and any(key.startswith(COMMON_STATE_PREFIX) for key in metadata.state_dict_metadata):
-        return True
-    return location.exists(COMMON_PT)
+    if catalog.indexed:  # ours (a convert's copy), also with Megatron's common.pt put beside it
+        return False
+    return any(key.startswith(COMMON_STATE_PREFIX) for key in metadata.state_dict_metadata) or location.exists(COMMON_PT)
 
 
 def check_complete(location: Location, backend: str, options: MegatronOptions) -> None:
@@ -67,7 +68,8 @@ def check_complete(location: Location, backend: str, options: MegatronOptions) -
             return
         raise IncompleteSaveError(
             f"{location.url}: incomplete Megatron save: {METADATA_JSON} is missing (rank 0 writes it last, "
-            "after every shard); pass megatron=MegatronOptions(allow_incomplete=True) to load it anyway"
+            "after every shard); pass megatron=MegatronOptions(allow_incomplete=True) (dcp-ext convert "
+            "--allow-incomplete) to load it anyway"
         )
     config = read_metadata_json(location)
     if config.get("sharded_backend") != backend:

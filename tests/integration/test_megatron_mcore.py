@@ -187,6 +187,41 @@ def test_load_common_state_checks_its_options_as_a_load_does(tmp_path, name):
     assert as_json(common["iteration"]) == info["common"]["iteration"]
 
 
+def test_load_common_state_of_a_save_interrupted_before_its_metadata(tmp_path):
+    """megatron-core writes common.pt first, the data files next, metadata.json last: a
+    save killed before its .metadata left common.pt and data files, which answered as a
+    directory holding common.pt alone (and refused allow_incomplete as "ignored")."""
+    from dcp_ext.megatron import IncompleteSaveError, MegatronOptions
+
+    _, info = expected("mcore016_tp2_dp2_ep2")
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(MEGATRON_FIXTURES / "mcore016_tp2_dp2_ep2", interrupted)
+    for name in (".metadata", "metadata.json"):
+        (interrupted / name).unlink()
+    with pytest.raises(IncompleteSaveError, match=r"metadata.json is missing .*\(dcp-ext convert --allow-incomplete\)"):
+        load_common_state(interrupted)
+    common = load_common_state(interrupted, options=MegatronOptions(allow_incomplete=True))
+    assert as_json(common["iteration"]) == info["common"]["iteration"]
+    alone = tmp_path / "alone"  # common.pt by itself is no save: it loads, and takes no options
+    alone.mkdir()
+    shutil.copy(interrupted / "common.pt", alone / "common.pt")
+    assert as_json(load_common_state(alone)["iteration"]) == info["common"]["iteration"]
+
+
+def test_a_converted_checkpoint_with_megatrons_common_pt_beside_it_loads(tmp_path):
+    """convert's note sends users to the source's common.pt; put beside the copy (ours, with
+    our index), it marked the copy as a Megatron save missing metadata.json, and both
+    ShardReader and load_common_state refused it."""
+    tensors, info = expected("mcore016_tp2_dp2_ep2")
+    assert cli(["convert", str(MEGATRON_FIXTURES / "mcore016_tp2_dp2_ep2"), str(tmp_path / "ours")]) == 0
+    shutil.copy(MEGATRON_FIXTURES / "mcore016_tp2_dp2_ep2" / "common.pt", tmp_path / "ours" / "common.pt")
+    state = {k: garbage_like(v) for k, v in tensors.items()}
+    dcp.load(state, storage_reader=ShardReader(tmp_path / "ours"), planner=ShardLoadPlanner(), no_dist=True)
+    for key, value in tensors.items():
+        assert_tensor_equal(state[key], value, key)
+    assert as_json(load_common_state(tmp_path / "ours")["iteration"]) == info["common"]["iteration"]
+
+
 def test_cache_metadata_false_keeps_no_torch_dist_view():
     """``cache_metadata=False`` keeps nothing, but each load of a torch_dist checkpoint kept
     its catalog and view (a 20,000-key one: 13 MiB a load, up to 16 of them); a cached
