@@ -15,7 +15,7 @@ from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.detect import detect_format
 from dcp_ext.megatron.legacy import LegacyCheckpoint
 from dcp_ext.formats.safe_load import safe_torch_load
-from dcp_ext.megatron.torch_dist import COMMON_PT, check_complete, common_state_key, is_megatron_catalog
+from dcp_ext.megatron.torch_dist import COMMON_PT, SAVE_OPTIONS, check_complete, common_state_key, is_megatron_catalog
 from dcp_ext.storage.catalog import read_catalog
 from dcp_ext.storage.catalog_formats import FORMATS, check_options_apply
 from dcp_ext.storage.location import Location
@@ -77,7 +77,7 @@ def _check_as_a_load(location: Location, options: MegatronOptions, kind: str | N
     # a torch_dist save (also one interrupted before its .metadata: megatron-core writes
     # common.pt first, the data files next, metadata.json last) or a zarr one
     backend = "zarr" if kind == "zarr" else "torch_dist"
-    check_options_apply(location, options, FORMATS["zarr"].option_names, "zarr" if kind == "zarr" else "Megatron torch_dist")
+    check_options_apply(location, options, SAVE_OPTIONS, "zarr" if kind == "zarr" else "Megatron torch_dist")
     check_complete(location, backend, options)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions
 from dcp_ext.megatron.legacy import legacy_signature, read_legacy_catalog
 from dcp_ext.megatron.legacy_layout import is_legacy
-from dcp_ext.megatron.torch_dist import METADATA_JSON, read_metadata_json, torch_dist_options, torch_dist_view
+from dcp_ext.megatron.torch_dist import METADATA_JSON, SAVE_OPTIONS, read_metadata_json, torch_dist_options, torch_dist_view
 from dcp_ext.megatron.zarr_format import has_zarr_arrays, read_zarr_catalog, zarr_signature
 from dcp_ext.storage.catalog_formats import CatalogFormat, register_format, register_view
 from dcp_ext.storage.location import Location
@@ -45,7 +45,7 @@ def _options_key(options: Any) -> tuple[Any, ...]:
 
 register_format(CatalogFormat(
     "zarr", lambda location: detect_format(location) == "zarr", read_zarr_catalog, zarr_signature,
-    checksums=False, options_key=_options_key, option_names=frozenset({"allow_incomplete"}),
+    checksums=False, options_key=_options_key, option_names=SAVE_OPTIONS,
 ))
 register_format(CatalogFormat(
     "legacy", lambda location: detect_format(location) == "legacy", read_legacy_catalog, legacy_signature,

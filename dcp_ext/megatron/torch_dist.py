@@ -45,6 +45,9 @@ _PROBE_THREADS = 8
 _VIEWS: Lru[tuple[Catalog, Catalog]] = Lru(16, lambda entry: entry[0].rows() + entry[1].rows(), CACHED_ROWS)
 
 
+SAVE_OPTIONS = frozenset({"allow_incomplete"})  # what a torch_dist or zarr save reads of MegatronOptions
+
+
 def is_megatron_catalog(location: Location, catalog: Catalog) -> bool:
     """Megatron marks: ``mcore_data`` on the metadata, the common-state object, or ``common.pt``.
 
@@ -91,7 +94,7 @@ def read_metadata_json(location: Location) -> dict[str, Any]:
 
 def torch_dist_options(location: Location, catalog: Catalog) -> frozenset[str]:
     """The MegatronOptions a torch_dist checkpoint reads (none for other DCP checkpoints)."""
-    return frozenset({"allow_incomplete"}) if catalog.format == "dcp" and is_megatron_catalog(location, catalog) else frozenset()
+    return SAVE_OPTIONS if catalog.format == "dcp" and is_megatron_catalog(location, catalog) else frozenset()
 
 
 def torch_dist_view(location: Location, catalog: Catalog, options: MegatronOptions | None, shared: bool) -> Catalog:
