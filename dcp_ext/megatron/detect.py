@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dcp_ext.errors import CorruptCheckpointError
 from dcp_ext.megatron.base import IncompleteSaveError, MegatronOptions
 from dcp_ext.megatron.legacy import legacy_signature, read_legacy_catalog
 from dcp_ext.megatron.legacy_layout import is_legacy
@@ -27,7 +28,10 @@ def detect_format(location: Location) -> str | None:
         return "dcp"
     names = location.listdir()
     if METADATA_JSON in names:
-        backend = read_metadata_json(location).get("sharded_backend")
+        try:
+            backend = read_metadata_json(location).get("sharded_backend")
+        except CorruptCheckpointError:  # no Megatron's: the legacy files, or the zarr reader, say what is there
+            backend = None
         if backend == "zarr":
             return "zarr"
         if backend == "torch_dist":

@@ -132,6 +132,25 @@ def test_overwrite_false_takes_a_directory_whose_metadata_json_is_no_checkpoint(
     assert_state_dict_equal(load(state, target)[0], state)
 
 
+def test_overwrite_false_refuses_a_legacy_checkpoint_beside_a_metadata_json_that_does_not_parse(tmp_path):
+    """Format detection read metadata.json first and failed on it, so the refusal took the
+    directory for none and wrote ours beside the legacy checkpoint; the legacy one loads."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_ext import CheckpointExistsError
+    from megatron_fixtures import write_legacy
+
+    target = tmp_path / "legacy"
+    want = write_legacy(str(target), tp=2, pp=1, num_layers=2)
+    (target / "metadata.json").write_text("not json")
+    with pytest.raises(CheckpointException) as info:
+        save(sample_state(), target, overwrite=False)
+    error = next(iter(info.value.failures.values()))[0]
+    assert isinstance(error, CheckpointExistsError) and str(error) == f"{target}: holds a legacy checkpoint and overwrite=False"
+    got = load({key: torch.full_like(value, float("nan")) for key, value in want.items()}, target)[0]
+    assert_state_dict_equal(got, want)
+
+
 def test_index_loaded_metadata_equals_the_pickle(tmp_path):
     """The index builds storage_data on first use; read, iterated or pickled it is the
     plain dict stock DCP unpickles, and the tensor entries match chunk for chunk."""
