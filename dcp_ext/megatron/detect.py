@@ -22,8 +22,11 @@ from dcp_ext.storage.location import Location
 DCP_METADATA = ".metadata"
 
 
-def detect_format(location: Location) -> str | None:
-    """"dcp" (torch_dist included), "zarr", "legacy", or None when nothing is recognized."""
+def detect_format(location: Location, arrays: bool = True) -> str | None:
+    """"dcp" (torch_dist included), "zarr", "legacy", or None when nothing is recognized.
+
+    ``arrays=False`` skips the last look, for zarr arrays without ``metadata.json`` (one
+    ``exists`` per entry): what the legacy detector needs, after the zarr one looked."""
     if location.exists(DCP_METADATA):
         return "dcp"
     names = location.listdir()
@@ -38,7 +41,7 @@ def detect_format(location: Location) -> str | None:
             raise IncompleteSaveError(f"{location.url}: metadata.json says torch_dist but {DCP_METADATA} is missing")
     if is_legacy(names):
         return "legacy"
-    if has_zarr_arrays(location):
+    if arrays and has_zarr_arrays(location):
         return "zarr"  # without metadata.json: the zarr reader reports the incomplete save
     return None
 
@@ -52,7 +55,7 @@ register_format(CatalogFormat(
     checksums=False, options_key=_options_key, option_names=SAVE_OPTIONS,
 ))
 register_format(CatalogFormat(
-    "legacy", lambda location: detect_format(location) == "legacy", read_legacy_catalog, legacy_signature,
+    "legacy", lambda location: detect_format(location, arrays=False) == "legacy", read_legacy_catalog, legacy_signature,
     checksums=False, options_key=_options_key, option_names=frozenset({"iteration", "partition_dims"}),
 ))
 register_view(torch_dist_view, torch_dist_options)

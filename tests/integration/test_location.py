@@ -183,3 +183,26 @@ def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path
                 assert max(calls) <= COLD_READ_BYTES and len(calls) >= sum(sizes) // COLD_READ_BYTES, (attempt, calls)
     finally:
         reader.close()
+
+
+class _CountedLocation(location_module.LocalLocation):
+    """A real local directory whose ``exists`` calls are counted (one per stat, or HEAD on a store)."""
+
+    calls = 0
+
+    def exists(self, name: str) -> bool:
+        type(self).calls += 1
+        return super().exists(name)
+
+
+def test_format_detection_looks_for_zarr_arrays_once(tmp_path):
+    """Both Megatron detectors looked under every entry for a zarr array: two stats (on an
+    object store, two HEAD requests) per entry of a directory that holds no checkpoint, paid
+    by every open of one and by the coordinator of every overwrite=False save."""
+    from dcp_ext.storage.catalog_formats import held_format
+
+    for n in range(50):
+        (tmp_path / f"run{n}").mkdir()
+    _CountedLocation.calls = 0
+    assert held_format(_CountedLocation(tmp_path)) is None
+    assert _CountedLocation.calls <= 50 + 4, _CountedLocation.calls
