@@ -169,14 +169,15 @@ def test_load_common_state_checks_its_options_as_a_load_does(tmp_path, name):
     """``options`` served only legacy checkpoints: ``iteration`` or ``partition_dims`` on a
     torch_dist or zarr one were ignored, and a torch_dist save without metadata.json (an
     interrupted one) answered without ``allow_incomplete``, where a load of it is refused."""
-    from dcp_ext.errors import IgnoredOptionsError
+    from dcp_ext import IgnoredOptionsError
     from dcp_ext.megatron import IncompleteSaveError, MegatronOptions
 
     source = MEGATRON_FIXTURES / name
     kind = "zarr" if "zarr" in name else "Megatron torch_dist"
     for given in ({"iteration": 5}, {"partition_dims": {"x": 0}}):
-        with pytest.raises(IgnoredOptionsError, match=f"would be ignored: this {kind} checkpoint reads only allow_incomplete"):
+        with pytest.raises(IgnoredOptionsError, match=f"would be ignored: this {kind} checkpoint reads only allow_incomplete") as info:
             load_common_state(source, options=MegatronOptions(**given))
+        assert (info.value.names, info.value.used, info.value.kind) == (tuple(given), ("allow_incomplete",), kind)
     _, info = expected(name)
     incomplete = tmp_path / "incomplete"
     shutil.copytree(source, incomplete)
