@@ -186,9 +186,9 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
     def _refuse_a_held_checkpoint(self) -> None:
         """``overwrite=False``: refuse a directory holding a checkpoint. ``.metadata`` on every
         rank, as stock looks; the other formats we read (ours beside one would hide it from
-        every reader of our format) on the coordinator alone, which lists the directory. A
-        file that only shares a format's name (a ``metadata.json`` of the user's that does
-        not parse) is no checkpoint of that format."""
+        every reader of our format) on the coordinator alone, which lists the directory.
+        What detection refuses to call a checkpoint (a Megatron save interrupted before its
+        ``.metadata``) is none to overwrite."""
         if self.location.exists(METADATA_NAME):
             raise CheckpointExistsError(
                 f"{self.location.url}: Checkpoint already exists ({METADATA_NAME} is there) and overwrite=False"
