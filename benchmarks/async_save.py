@@ -54,7 +54,7 @@ from dcp_ext import ShardWriter
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cli_args import existing_dir, output_file, positive_float, positive_int  # noqa: E402
-from io_throughput import COLS, GB, TensorSpec, fill_rows, fmt, free_port, print_table  # noqa: E402
+from io_throughput import COLS, GB, TensorSpec, fill_rows, fmt, free_port, join_gloo, print_table  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "async_save.json"
 MIB = 1 << 20
@@ -152,9 +152,8 @@ def _worker(rank: int, port: int, cfg: Config, executor_name: str, kind: str, ou
     One intra-op thread: on a shared box, a parallel copy_ stalls whenever one of its threads
     is descheduled, which swamps the figures; memcpy and staging both run with one.
     """
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # stock, every save
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    join_gloo(rank, 1, port)
     try:
         Path(out).write_text(json.dumps(run_pair(cfg, executor_name, kind)))
     finally:

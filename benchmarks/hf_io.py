@@ -44,7 +44,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter, export_safetensors
 from cli_args import output_file, positive_int
-from io_throughput import Group, drop_caches, free_port, print_table, proc_read_bytes, read_file, timed, write_file
+from io_throughput import Group, drop_caches, free_port, join_gloo, print_table, proc_read_bytes, read_file, timed, write_file
 
 TENSORS = 64
 COLS = 1024
@@ -126,8 +126,7 @@ def phase_load(group: Group, workdir: str, size_mib: int, repeat: int) -> dict[s
 
 
 def _worker(rank: int, world: int, port: int, workdir: str, size_mib: int, repeat: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     try:
         result = phase_load(Group(rank, world, None), workdir, size_mib, repeat)
         if rank == 0:

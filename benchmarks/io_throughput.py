@@ -763,10 +763,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_gloo(rank: int, world: int, port: int, torch_threads: int = 1) -> None:
+    """Join a gloo group of ``world`` spawned processes on this host, with the environment
+    torchrun gives each rank: ``LOCAL_WORLD_SIZE`` sets how many I/O threads a reader or
+    writer starts (the cores shared among the ranks on the node), so a benchmark's ranks
+    run as many as a user's do."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(torch_threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
 def _worker(rank: int, world: int, port: int, phase: str, cfg: Config, out: str) -> None:
     """Entry point of a spawned rank: join the gloo group, run the phase, rank 0 writes JSON."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_gloo(rank, world, port, max(1, (os.cpu_count() or 1) // world))
     try:
         result = PHASES[phase](cfg, Group(rank, world, init_device_mesh("cpu", (world,))))
         if rank == 0:

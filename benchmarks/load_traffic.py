@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from io_throughput import Group, drop_caches, free_port, print_table, proc_rchar, timed
+from io_throughput import Group, drop_caches, free_port, join_gloo, print_table, proc_rchar, timed
 from cli_args import output_file, positive_int
 
 WORLD = 4
@@ -107,8 +107,7 @@ PHASES = {"dp": phase_dp, "tp": phase_tp}
 
 
 def _worker(rank: int, port: int, phase: str, workdir: str, size_mib: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, port)
     try:
         result = PHASES[phase](Group(rank, WORLD, None), workdir, size_mib)
         if rank == 0:

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from dcp_ext import ShardReader
 from dcp_ext.planning.global_plan import plan_globally
-from io_throughput import Group, fmt, free_port, print_table, proc_rchar
+from io_throughput import Group, fmt, free_port, join_gloo, print_table, proc_rchar
 from cli_args import output_file, positive_int
 from plan_scale import RESULTS, TableMaker, coordinator_writer, make_job, write_results
 
@@ -47,8 +47,7 @@ def write_metadata(path: Path, ranks: int) -> dict[str, int]:
 
 
 def worker(rank: int, world: int, port: int, path: str, repeat: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     group = Group(rank, world, None)
     try:
         runs: dict[str, list[tuple[float, int]]] = {mode: [] for mode in MODES}

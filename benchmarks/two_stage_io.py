@@ -48,7 +48,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from io_throughput import Group, fmt, free_port, print_table, timed
+from io_throughput import Group, fmt, free_port, join_gloo, print_table, timed
 from cli_args import output_file, positive_float, positive_int
 
 WORLD = 4
@@ -169,8 +169,7 @@ def exchange_gbps(group: Group, nbytes: int, repeat: int) -> float:
 
 def job(rank: int, port: int, spec: dict[str, Any], free_at: Any, out: str) -> None:
     """One rank: for each storage case, load with both readers, interleaved, ``repeat`` times."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, port)
     group = Group(rank, WORLD, None)
     try:
         want = full_state(spec["size_mib"])
