@@ -183,7 +183,7 @@ def copy_record_box(
     if verify:
         carries, fault = archive_crc_fault(record)
         if not carries:
-            raise CorruptCheckpointError(f"{what} is no torch.save archive")
+            raise CorruptCheckpointError(f"{what} is no torch.save archive (no zip directory in its {len(record)} bytes)")
         raise_if_corrupt(where, fault)
     data = memoryview(record)
     layout = parse_tensor_record(len(data), lambda at, n: bytes(data[at : at + n]), what)

@@ -7,7 +7,8 @@ import torch
 
 from dcp_ext.storage.executors import coalesce, file_tasks, task_limit
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.read_plan import SLAB_BYTES, tensor_requests
+from dcp_ext.errors import CorruptCheckpointError
+from dcp_ext.storage.read_plan import SLAB_BYTES, copy_record_box, tensor_requests
 
 from support import DESTINATION_KINDS, READ_BOXES, box_destination, garbage, write_records
 
@@ -91,3 +92,15 @@ def test_a_whole_tensor_over_a_slab_is_read_in_pieces_threads_can_share(tmp_path
     assert len(list(file_tasks(requests, task_limit(source.nbytes, threads=4)))) == 3  # one stretch per thread
     assert _run(tmp_path, requests) == source.nbytes
     assert torch.equal(dest, source)
+
+
+@pytest.mark.parametrize("decoded", [True, False])
+def test_a_verified_record_that_is_no_zip_names_what_it_lacks(decoded):
+    """A whole record read with its zip CRC-32s checked, whose bytes are no zip at all
+    (a record overwritten, or the stream transform gave other bytes): the error names the
+    key, the state of the bytes and why they are no ``torch.save`` archive."""
+    where = "__0_0.distcp layer.weight"
+    with pytest.raises(CorruptCheckpointError) as caught:
+        copy_record_box(b"\0" * 100, (torch.float32, (5, 5)), (0, 0), (5, 5), torch.empty(5, 5), where, True, decoded)
+    prefix = f"{where}: decoded record" if decoded else where
+    assert str(caught.value) == f"{prefix} is no torch.save archive (no zip directory in its 100 bytes)"
