@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import bisect
 import io
 import os
 import pickle
 import pickletools
 import re
 import zipfile
+import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy as np
 import torch
 
-from dcp_ext.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.formats.faults import shown
 
 _MULTIARRAY = (getattr(np, "_core", None) or np.core).multiarray
 # every plain bool / int / uint / float / complex width, platform aliases included
@@ -62,14 +66,136 @@ def safe_torch_load(
     sit in the file (``stored_at``), so a reader can then fetch just the byte ranges it needs.
     """
     stream: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+    if layout_only or mmap:  # both take each storage's bytes from the file as its pickle claims them
+        entries = _storage_entries(stream, where)
+        state = _torch_load(source, stream, where, "meta", mmap=False)
+        _check_storages(state, entries, where)
+        if layout_only:
+            return state
+        if hasattr(stream, "seek"):
+            stream.seek(0)
+    return _torch_load(source, stream, where, "cpu", mmap)
+
+
+def _torch_load(source: Any, stream: Any, where: str, device: str, mmap: bool) -> Any:
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(stream, map_location="meta" if layout_only else "cpu", weights_only=True, mmap=mmap)
+            return torch.load(stream, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         detail = ", ".join(refused_globals(source)) or _torch_reason(exc)
         raise UnsafeCheckpointError(f"{where}: refuses to unpickle {detail} ({ALLOWED_TEXT})") from None
     except Exception as exc:  # untrusted bytes: whatever torch.load trips over (IndexError, KeyError, struct.error...)
         raise CorruptCheckpointError(f"{where}: not a readable torch.save stream ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A storage's zip entry: where its header starts, how far its bytes may reach (the
+    next entry's header or the central directory), its stored size and compression."""
+
+    name: str
+    header: int
+    limit: int
+    size: int
+    compressed: bool
+
+
+def _storage_entries(stream: Any, where: str) -> list[_Entry]:
+    """The storage entries (``data/<key>``) of a ``torch.save`` zip archive, by header
+    offset, after refusing an archive in big-endian byte order. A load that takes each
+    storage's bytes from the file where the pickle says (meta-device layouts, ``mmap``)
+    does not check them against the entry as torch's plain load does: a storage claiming
+    more bytes than its entry, or a compressed entry, would give the bytes beside it (or
+    the compressed ones), and torch byteswaps a big-endian archive's meta storages into
+    a segmentation fault. Not a zip (torch's legacy pre-1.6 format): nothing to check."""
+    opened = open(stream, "rb") if isinstance(stream, (str, os.PathLike)) else stream  # noqa: SIM115
+    try:
+        if not zipfile.is_zipfile(opened):
+            return []
+        opened.seek(0)
+        with zipfile.ZipFile(opened) as archive:
+            infos = sorted(archive.infolist(), key=lambda info: info.header_offset)
+            limits = [info.header_offset for info in infos[1:]] + [archive.start_dir]
+            order = next((info for info in infos if info.filename.rsplit("/", 1)[-1] == "byteorder"), None)
+            text = b"little" if order is None else _entry_bytes(archive, opened, order)
+            if text != b"little":
+                raise CheckpointError(
+                    f"{where}: its byteorder record says {shown(text.decode(errors='replace'))}; this reader reads "
+                    "little-endian files only"
+                )
+    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError) as exc:
+        raise CorruptCheckpointError(f"{where}: not a readable torch.save archive ({type(exc).__name__}: {exc})") from None
+    finally:
+        if opened is not stream:
+            opened.close()
+        else:
+            opened.seek(0)
+    return [
+        _Entry(info.filename, info.header_offset, limit, info.file_size, info.compress_type != zipfile.ZIP_STORED)
+        for info, limit in zip(infos, limits)
+        if "/data/" in f"/{info.filename}"
+    ]
+
+
+def _entry_bytes(archive: zipfile.ZipFile, stream: Any, info: zipfile.ZipInfo) -> bytes:
+    """A small entry's bytes; an uncompressed one read past its local header without
+    checking a CRC-32 (``torch.save`` leaves them out under ``set_crc32_options(False)``)."""
+    if info.file_size > 64:
+        return b"(longer than any byte order)"
+    if info.compress_type != zipfile.ZIP_STORED:
+        return archive.read(info.filename)
+    stream.seek(info.header_offset)
+    header = stream.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header of entry {info.filename!r}")
+    stream.seek(info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little"))
+    return stream.read(info.file_size)
+
+
+def _check_storages(state: Any, entries: list[_Entry], where: str) -> None:
+    """Every tensor storage of a meta-device load lies inside one uncompressed storage
+    entry that holds exactly the bytes its pickle claims, as torch's plain load demands."""
+    if not entries:
+        return
+    headers = [entry.header for entry in entries]
+    for path, tensor in _tensors(state):
+        storage = tensor.untyped_storage()
+        offset, nbytes = stored_at(tensor, where), storage.nbytes()
+        at = bisect.bisect_right(headers, offset) - 1
+        entry = entries[at] if at >= 0 else None
+        if entry is None:
+            fault = "no storage entry starts before it"
+        elif entry.compressed:
+            fault = f"its entry {entry.name!r} is compressed"
+        elif entry.size != nbytes:
+            fault = f"its entry {entry.name!r} holds {entry.size} bytes"
+        elif offset + nbytes > entry.limit:
+            fault = f"that runs past its entry {entry.name!r} (to byte {entry.limit})"
+        else:
+            continue
+        raise CorruptCheckpointError(
+            f"{where}: tensor {path} claims a storage of {nbytes} bytes at byte {offset}, but {fault}; "
+            "torch.save stores each storage uncompressed, in an entry of exactly its size"
+        )
+
+
+def _tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor in a loaded state: dicts, lists, tuples, sets and
+    ``argparse.Namespace`` walked without recursion, each container once."""
+    stack: list[tuple[str, Any]] = [("", state)]
+    seen: set[int] = set()
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield shown(path or "(the whole state)"), value
+            continue
+        if isinstance(value, argparse.Namespace):
+            value = vars(value)
+        if not isinstance(value, (dict, list, tuple, set, frozenset)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        children = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend(reversed([(f"{path}.{key}" if path else str(key), child) for key, child in children]))  # in order
 
 
 def stored_at(tensor: torch.Tensor, where: str) -> int:

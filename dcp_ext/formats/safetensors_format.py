@@ -15,10 +15,13 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
+from dcp_ext.formats.faults import shown
+from dcp_ext.formats.validate import is_dims
 
 MAX_HEADER_BYTES = 100_000_000  # the official loader's limit
 METADATA_KEY = "__metadata__"
@@ -93,18 +96,29 @@ def decode_header(prefix: bytes, file_size: int, where: str) -> tuple[dict[str, 
     8 + header length of them; see ``header_length``)."""
     length = header_length(prefix, file_size, where)
     try:
-        header = json.loads(prefix[8 : 8 + length])
+        header = json.loads(prefix[8 : 8 + length], object_pairs_hook=unique_fields)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: safetensors header is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: safetensors header is not a JSON object")
-    metadata = header.pop(METADATA_KEY, None) or {}
+    metadata = header.pop(METADATA_KEY, None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptCheckpointError(f"{where}: safetensors {METADATA_KEY} must map strings to strings")
     base = 8 + length
     entries = {name: _entry(name, info, base, f"{where} key {name!r}") for name, info in header.items()}
     _check_layout(entries, base, file_size, where)
     return entries, metadata
+
+
+def unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are unique (``json.loads`` keeps the last of a repeated
+    one; the safetensors loader refuses the file)."""
+    fields = dict(pairs)
+    if len(fields) != len(pairs):
+        repeated = sorted({name for name, _ in pairs if sum(n == name for n, _ in pairs) > 1})
+        raise ValueError(f"repeated field {shown(repeated[0])}")
+    return fields
 
 
 def header_length(prefix: bytes, file_size: int, where: str) -> int:
@@ -128,7 +142,7 @@ def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
             f"{where}: dtype {info['dtype']!r} is none of the safetensors dtypes this reader knows "
             f"({', '.join(DTYPES_BY_NAME)})"
         )
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+    if not isinstance(shape, list) or not is_dims(shape):
         raise CorruptCheckpointError(f"{where}: invalid shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
         raise CorruptCheckpointError(f"{where}: invalid data_offsets {offsets!r}")

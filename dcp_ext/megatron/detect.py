@@ -52,7 +52,7 @@ def _options_key(options: Any) -> tuple[Any, ...]:
 
 register_format(CatalogFormat(
     "zarr", lambda location: detect_format(location) == "zarr", read_zarr_catalog, zarr_signature,
-    checksums=False, options_key=_options_key, option_names=SAVE_OPTIONS,
+    checksums=False, options_key=_options_key, option_names=SAVE_OPTIONS, records_fill_files=True,
 ))
 register_format(CatalogFormat(
     "legacy", lambda location: detect_format(location, arrays=False) == "legacy", read_legacy_catalog, legacy_signature,

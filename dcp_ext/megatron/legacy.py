@@ -184,10 +184,22 @@ class LegacyCheckpoint:
                 for key, value in params.items():
                     if not isinstance(value, torch.Tensor) or key.endswith("_extra_state"):
                         continue
-                    name = _renumber(key, offsets, (stage_v, pp), ep, experts)
-                    if _EXPERT.match(key) is None and ep:
+                    expert = _EXPERT.match(key)
+                    if expert is None and ep:
                         continue  # dense parameters are replicated across EP ranks
-                    found[name].setdefault(tp, Shard(path, model, key, value.dtype, tuple(value.shape)))
+                    if expert is not None and int(expert[2]) >= experts:
+                        raise CorruptCheckpointError(
+                            f"{self.url}/{path}: {key!r} is local expert {int(expert[2])}, but args.num_experts="
+                            f"{self.num_experts} over EP={self.sizes.ep} gives each EP rank {experts}"
+                        )
+                    name = _renumber(key, offsets, (stage_v, pp), ep, experts)
+                    shard = Shard(path, model, key, value.dtype, tuple(value.shape))
+                    held = found[name].setdefault(tp, shard)
+                    if held is not shard:  # two stored tensors for one place of the global model
+                        raise CorruptCheckpointError(
+                            f"{self.url}: {held.file} key {held.key!r} and {path} key {key!r} are both {name!r} "
+                            f"(TP rank {tp}); the layer or expert numbers of the rank files overlap"
+                        )
         return found
 
     def _layer_offsets(self) -> dict[str, dict[tuple[int, int], int]]:

@@ -39,8 +39,9 @@ class Parallelism:
         return self.tp * self.pp * self.ep
 
     def coordinates(self) -> Iterator[tuple[int, int, int]]:
-        """Every (tp, pp, ep), lazily: ``args`` may claim far more than the directory holds."""
-        return itertools.product(range(self.tp), range(self.pp), range(self.ep))
+        """Every (tp, pp, ep), lazily: ``args`` may claim far more than the directory holds
+        (``itertools.product`` would first make a tuple of each range: TP=2**62)."""
+        return ((tp, pp, ep) for tp in range(self.tp) for pp in range(self.pp) for ep in range(self.ep))
 
     def rank_dir(self, tp: int, pp: int, ep: int) -> str:
         return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if self.pp > 1 else "") + (f"_{ep:03d}" if self.ep > 1 else "")

@@ -40,6 +40,7 @@ class CatalogFormat:
     read: Callable[[Location, Any], Catalog]
     signature: Callable[[Location, Any], tuple[Any, ...]]
     checksums: bool  # whether the format records checksums a verified read can check
+    records_fill_files: bool = False  # each stored record is a whole file (zarr chunks): any other size is corrupt
     options_key: Callable[[Any], tuple[Any, ...]] = lambda options: ()
     option_names: frozenset[str] = frozenset()
 

@@ -291,7 +291,7 @@ class ShardReader(StorageReader):
         try:
             stored = [self._stored(catalog, item.storage_index) for item in plan.items]
             self._check_destinations_filled(catalog, plan, planned_by)
-            self._check_files(plan.items, stored)
+            self._check_files((item.storage_index.fqn, record) for item, record in zip(plan.items, stored))
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
                 requests = list(requests)
@@ -490,22 +490,29 @@ class ShardReader(StorageReader):
     def _where(self, path: str, key: str) -> str:
         return f"{self.location.url}: file {path!r} key {key!r}"
 
-    def _check_files(self, items: list[ReadItem], stored: list[StoredItem]) -> None:
-        """Every file exists and holds every byte range the plan will touch."""
-        ends: dict[str, tuple[int, ReadItem]] = {}  # file -> the item reaching furthest into it
-        for read_item, record in zip(items, stored):
+    def _check_files(self, records: Iterable[tuple[str, StoredItem]]) -> None:
+        """Every file of these (key, record) pairs exists and holds every byte range they
+        touch; in a format whose records are whole files (zarr chunks), exactly those bytes:
+        a longer file is another array's chunk or a shifted one, not this record."""
+        whole_files = FORMATS[self._require_catalog().format].records_fill_files
+        ends: dict[str, tuple[int, str]] = {}  # file -> the end of the record reaching furthest into it, its key
+        for key, record in records:
             end = record.offset + record.length
             known = ends.get(record.relative_path)
             if known is None or end > known[0]:
-                ends[record.relative_path] = (end, read_item)
-        for path, (end, read_item) in ends.items():
-            key = read_item.storage_index.fqn
+                ends[record.relative_path] = (end, key)
+        for path, (end, key) in ends.items():
             self.location.path(path, key)  # rejects escapes
             size = self.location.size(path)
             if size is None:
                 raise self._missing(path, key)
             if end > size:
                 raise file_too_short(self._where(path, key), end, size)
+            if whole_files and end != size:
+                raise CorruptCheckpointError(
+                    f"{self._where(path, key)}: the file holds {size} bytes, but its record is {end} bytes (the "
+                    "array's chunk shape times its dtype size); a chunk file holds exactly one chunk"
+                )
 
     def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
         """The tensor layout of each plan item's record (None: read whole, a bytes item, a
@@ -625,7 +632,11 @@ def checking_reader(path: str | os.PathLike[str], **options: Any) -> ShardReader
     match them. Formats that record none (Megatron zarr and legacy) are read as they are."""
     reader = ShardReader(path, **options)
     reader.read_metadata()
-    reader.verify_checksums = FORMATS[reader._require_catalog().format].checksums
+    catalog = reader._require_catalog()
+    reader.verify_checksums = FORMATS[catalog.format].checksums
+    # before a copy allocates the tensors the metadata claims: every format's catalog checks that
+    # a record holds its chunk, the files must hold the records (or terabytes are allocated first)
+    reader._check_files((index.fqn, item) for index, item in catalog.items.items())
     return reader
 
 

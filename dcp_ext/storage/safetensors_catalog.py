@@ -28,10 +28,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.faults import shown
 from dcp_ext.formats.index import StoredItem
-from dcp_ext.formats.safetensors_format import TensorEntry, decode_header, header_length
+from dcp_ext.formats.safetensors_format import TensorEntry, decode_header, header_length, unique_fields
 from dcp_ext.formats.data_files import check_relative_name
-from dcp_ext.formats.validate import check_metadata, chunk_faults
+from dcp_ext.formats.validate import check_metadata, chunk_faults, is_dims
 from dcp_ext.storage.catalog import Catalog
 from dcp_ext.storage.location import Location
 
@@ -134,15 +135,15 @@ def _sharding_offsets(metadata: dict[str, str], entries: dict[str, TensorEntry],
     if raw is None:
         return {}
     try:
-        info = json.loads(raw)
-        offsets = {key: tuple(int(o) for o in value["saved_offsets"]) for key, value in info.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{where}: unreadable {SHARDING_KEY} in __metadata__ ({exc})") from None
+        info = json.loads(raw, object_pairs_hook=unique_fields)
+        offsets = {key: value["saved_offsets"] for key, value in info.items()}
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: unreadable {SHARDING_KEY} in __metadata__ ({type(exc).__name__}: {exc})") from None
     for key, entry in entries.items():
         found = offsets.get(key)
-        if found is None or len(found) != len(entry.shape) or min(found, default=0) < 0:
-            raise CorruptCheckpointError(f"{where} key {key!r}: {SHARDING_KEY} gives offsets {found}, shape is {list(entry.shape)}")
-    return offsets
+        if not is_dims(found) or len(found) != len(entry.shape):
+            raise CorruptCheckpointError(f"{where} key {key!r}: {SHARDING_KEY} gives offsets {shown(found)}, shape is {list(entry.shape)}")
+    return {key: tuple(offsets[key]) for key in entries}
 
 
 def _weight_map(location: Location) -> dict[str, str] | None:

@@ -118,10 +118,14 @@ def _check_file(
 ) -> Iterator[int]:
     """Check the items of data file ``name`` (``size`` bytes) into ``report``; yields each
     item's bytes once it is checked (progress)."""
+    whole_files = FORMATS[catalog.format].records_fill_files
     with location.open_reader(name) as reader:
         for index, item in entries:
             if item.offset + item.length > size:
                 report.faults.append(f"{name}: key {index.fqn!r} needs bytes up to {item.offset + item.length}, file has {size}")
+            elif whole_files and item.offset + item.length != size:
+                report.faults.append(f"{name}: key {index.fqn!r}: the file holds {size} bytes, but its record is "
+                                     f"{item.length} bytes; a chunk file holds exactly one chunk")
             else:
                 fault, recorded = _check_item(catalog, location, reader, index, item)
                 if fault:

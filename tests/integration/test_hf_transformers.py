@@ -72,7 +72,17 @@ def test_export_loads_in_from_pretrained_to_the_same_logits(tmp_path, one_thread
     shutil.copy(HF_FIXTURES / logits_of / "config.json", tmp_path / "hf")
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched keys
-    want = load_file(HF_FIXTURES / f"{logits_of}.logits.safetensors")
+    stored = load_file(HF_FIXTURES / f"{logits_of}.logits.safetensors")
+    logits = _logits(model, stored["input_ids"])
+    # transformers' own logits for its save_pretrained directory, computed here: the same
+    # kernels and transformers version, so the export must give the very same bits. The
+    # logits stored at generation time agree to rounding only: another transformers release
+    # or CPU sums in another order (5.24.0 on another host: 3.4e-8 off in float32)
+    want = _logits(AutoModelForCausalLM.from_pretrained(HF_FIXTURES / logits_of), stored["input_ids"])
+    torch.testing.assert_close(want, stored["logits"])
+    assert logits.dtype == want.dtype and torch.equal(logits, want)
+
+
+def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        logits = model.eval()(input_ids=want["input_ids"]).logits
-    assert logits.dtype == want["logits"].dtype and torch.equal(logits, want["logits"])
+        return model.eval()(input_ids=input_ids).logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.megatron import MegatronOptions, load_common_state
+from dcp_ext.storage.verify import verify_checkpoint
 
 from megatron_fixtures import write_legacy
 from mp import run_job
@@ -284,3 +287,84 @@ def test_save_root_of_a_torch_dist_iteration_points_at_it(tmp_path):
     with pytest.raises(CheckpointError, match=rf"no mp_rank_\* directories; .*torch_dist.*: open {iteration} itself"):
         ShardReader(tmp_path).read_metadata()
     assert ShardReader(iteration).read_metadata().state_dict_metadata
+
+
+def _rezip(path: str, replace: dict[str, bytes] | None = None, compression: int = zipfile.ZIP_STORED) -> None:
+    """Rewrite a ``torch.save`` file's zip, entries renamed by what follows the archive's
+    top folder (``byteorder``, ``data/0``) replaced, every entry stored with ``compression``."""
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info.filename, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", compression) as archive:
+        for name, data in entries:
+            archive.writestr(name, (replace or {}).get(name.split("/", 1)[1], data))
+
+
+def _claims_more_than_stored(path: str) -> None:
+    """The pickle of a state whose first tensor's storage is 4x larger, over the original's
+    entries: the storage claims bytes its entry does not hold."""
+    state = torch.load(path, weights_only=False)
+    first = next(k for k, v in state["model"].items() if isinstance(v, torch.Tensor))
+    state["model"][first] = torch.zeros(state["model"][first].numel() * 4, dtype=state["model"][first].dtype)
+    bigger = path + ".bigger"
+    torch.save(state, bigger)
+    with zipfile.ZipFile(bigger) as archive:
+        pickle_bytes = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    os.remove(bigger)
+    _rezip(path, {"data.pkl": pickle_bytes})
+
+
+REZIPPED = {  # torch.save files whose storages this reader would take from the wrong bytes
+    "big-endian": (lambda path: _rezip(path, {"byteorder": b"big"}), CheckpointError,
+                   "its byteorder record says 'big'; this reader reads little-endian files only"),
+    "deflated": (lambda path: _rezip(path, compression=zipfile.ZIP_DEFLATED), CorruptCheckpointError,
+                 r"tensor 'model\.[\w.]+' claims a storage of \d+ bytes at byte \d+, but its entry "
+                 r"'model_optim_rng/data/\d+' is compressed"),
+    "a storage claiming 4x its entry": (_claims_more_than_stored, CorruptCheckpointError,
+                                        r"claims a storage of (\d+) bytes at byte \d+, but its entry '[\w/]+' holds \d+ bytes"),
+}
+
+
+@pytest.mark.parametrize("case", REZIPPED)
+def test_rank_files_whose_storages_are_not_where_torch_load_takes_them_are_refused(tmp_path, case):
+    """The layout-only load (meta device) and the memory-mapped one take each storage's
+    bytes from the file where the pickle says, without the checks of torch's plain load:
+    a big-endian file segfaulted (torch byteswaps meta storages), a deflated one and an
+    inflated storage claim loaded other bytes as the tensor, and verify said OK."""
+    edit, error, message = REZIPPED[case]
+    write_legacy(str(tmp_path), tp=1, pp=1, num_layers=2)
+    path = rank_file(tmp_path, "iter_0000020", "mp_rank_00")
+    edit(path)
+    with pytest.raises(error, match=message) as err:
+        ShardReader(tmp_path).read_metadata()
+    assert str(err.value).startswith(f"{path}: ")
+    with pytest.raises(error, match=message):
+        safe_torch_load(path, path, mmap=True)  # load_common_state's read of the same file
+    assert not verify_checkpoint(tmp_path).ok
+
+
+def test_parallel_sizes_of_2_pow_62_are_named_without_building_them(tmp_path):
+    # itertools.product made a tuple of each range before the first missing rank was named
+    _tamper(tmp_path, _set_args(tensor_model_parallel_size=2**62))
+    with pytest.raises(CorruptCheckpointError, match=r"TP=4611686018427387904 x PP=1 x EP=1: missing .*mp_rank_01/"):
+        ShardReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize("num_experts", [2, None])
+def test_experts_numbered_past_what_args_give_each_rank_are_refused(tmp_path, num_experts):
+    """Two EP ranks with 2 local experts each and args saying 2 experts in all: ranks' global
+    numbers overlapped and the first stored expert won (one of four silently lost). Without
+    num_experts each rank's count is inferred, and overlapping numbers are still refused."""
+    want = write_legacy(str(tmp_path), tp=1, pp=1, ep=2, num_layers=1, moe=True)
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in want
+    for directory in ("mp_rank_00_000", "mp_rank_00_001"):
+        path = rank_file(tmp_path, "iter_0000020", directory)
+        state = torch.load(path, weights_only=False)
+        state["args"].num_experts = num_experts
+        if num_experts is None and directory.endswith("0"):  # rank 0 holds a third: its numbers reach rank 1's
+            state["model"].update({k.replace("local_experts.1.", "local_experts.2."): v for k, v in state["model"].items()
+                                   if "local_experts.1." in k})
+        torch.save(state, path)
+    message = ("is local expert 1, but args.num_experts=2 over EP=2 gives each EP rank 1" if num_experts
+               else r"are both 'decoder\.layers\.0\.mlp\.experts\.local_experts\.2\.")
+    with pytest.raises(CorruptCheckpointError, match=message):
+        ShardReader(tmp_path).read_metadata()

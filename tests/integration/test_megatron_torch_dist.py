@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickle
 import shutil
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dcp_ext import CorruptCheckpointError, ShardReader
+from dcp_ext.cli.main import main as cli
 from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
 from dcp_ext.storage.verify import verify_checkpoint
 
@@ -135,3 +137,24 @@ def test_flipped_byte_in_flattened_record_is_caught(tmp_path, name):
     after = verify_checkpoint(str(root))
     assert len(after.faults) == 1 and path in after.faults[0] and "crc32 mismatch" in after.faults[0]
     assert after.items_checked == before.items_checked  # every record once, however many boxes it holds
+
+
+@pytest.mark.parametrize("to", ["dcp", "hf"])
+def test_convert_refuses_a_record_its_file_does_not_hold_before_allocating_its_tensor(tmp_path, capsys, to):
+    """A ``.metadata`` whose final norm claims 2**44 elements (32 TiB of bfloat16) in a record
+    as long, in a file of 78 KB: convert and export allocated the tensor before any read
+    found the file short (a traceback: no memory; or the allocation, where it is granted)."""
+    root = _real_torch_dist(tmp_path)
+    with open(root / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the committed fixture: trusted here
+    md = metadata.state_dict_metadata[NORM]
+    md.size = md.chunks[0].sizes = torch.Size([2**44])
+    index = next(i for i in metadata.storage_data if i.fqn == NORM)
+    stored = metadata.storage_data[index]
+    metadata.storage_data[index] = dataclasses.replace(stored, length=stored.length + 2**45)
+    with open(root / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    assert cli(["convert", str(root), str(tmp_path / "out"), "--to", to]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"file '{stored.relative_path}' key '{NORM}': item needs bytes up to {stored.offset + stored.length + 2**45}" in err

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dcp_ext import CorruptCheckpointError, ShardReader
+from dcp_ext.cli.main import main as cli
 from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
 
 from megatron_fixtures import COMMON, write_zarr
@@ -138,3 +139,35 @@ def test_an_array_that_lost_its_zarray_is_named_not_dropped(tmp_path):
     os.remove(ckpt / "embedding.word_embeddings.weight" / ".zarray")
     with pytest.raises(CorruptCheckpointError, match=r"embedding.word_embeddings.weight: holds zarr chunk files .* but no .zarray"):
         ShardReader(ckpt).read_metadata()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda root: (root / EMB / "0.0").write_bytes(b"\0\0\0\0" + (root / EMB / "0.0").read_bytes()),
+         "the file holds 364 bytes, but its record is 360 bytes"),  # a chunk shifted by 4 bytes
+        (lambda root: (root / EMB / ".zarray").write_text(_zarray(dtype="<f2")),
+         "the file holds 360 bytes, but its record is 180 bytes"),  # float32 chunks read as float16
+    ],
+    ids=["chunk-file-longer", "dtype-half-the-size"],
+)
+def test_a_chunk_file_of_another_size_than_its_chunk_is_refused(tmp_path, capsys, edit, message):
+    """A zarr chunk file holds exactly one chunk (megatron-core writes them uncompressed):
+    a longer one loaded its first bytes, shifted or reinterpreted, and verify said OK."""
+    root = _real_zarr(tmp_path)
+    edit(root)
+    err = load_error({EMB: torch.zeros(18, 10)}, root)
+    assert isinstance(err, CorruptCheckpointError) and f"file '{EMB}/0.0' key '{EMB}': {message}" in str(err)
+    assert cli(["verify", str(root)]) == 1
+    assert f"FAULT {EMB}/0.0: key '{EMB}': {message}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("to", ["dcp", "hf"])
+def test_convert_refuses_a_claim_its_files_do_not_back_before_allocating_it(tmp_path, capsys, to):
+    """.zarray claiming [2**41, 10] float32 over two 360-byte chunk files: convert and
+    export allocated the 88 TB tensor first (a traceback; or the allocation, where the
+    host overcommits) and found the files short only when reading."""
+    root = _real_zarr(tmp_path, _zarray(shape=[2**41, 10], chunks=[2**40, 10]))
+    assert cli(["convert", str(root), str(tmp_path / "out"), "--to", to]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"file '{EMB}/0.0' key '{EMB}': item needs bytes up to 43980465111040" in err

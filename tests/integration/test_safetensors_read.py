@@ -214,6 +214,25 @@ def corrupt(kind: str, path) -> None:
     elif kind == "deeply nested header":
         text = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    elif kind == "a field twice":  # json.loads keeps the last; the safetensors loader refuses the file
+        text = json.dumps(header).encode().replace(b'"shape": [', b'"shape": [2], "shape": [', 1)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    elif kind == "__metadata__ a list":
+        rewrite(path, header | {"__metadata__": []}, data)
+    elif kind == "a size-0 tensor 2**70 wide":  # no bytes, but no torch.Size holds it either
+        rewrite(path, header | {"empty": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}}, data)
+    elif kind in SHARDING_INFO:
+        sharding = {key: {"saved_offsets": [0] * len(entry["shape"])} for key, entry in header.items() if key != "__metadata__"}
+        first = next(iter(sharding))
+        text = SHARDING_INFO[kind](json.dumps(sharding), first)
+        rewrite(path, header | {"__metadata__": {"DCP_SHARDING_INFO": text}}, data)
+
+
+SHARDING_INFO = {  # how stock's HuggingFaceStorageWriter's per-key chunk offsets may be damaged
+    "offsets as text": lambda text, key: text.replace(f'"{key}": {{"saved_offsets": [0', f'"{key}": {{"saved_offsets": ["0"', 1),
+    "offsets as floats": lambda text, key: text.replace(f'"{key}": {{"saved_offsets": [0', f'"{key}": {{"saved_offsets": [2.7', 1),
+    "sharding info nested deep": lambda text, key: '{"a":' + "[" * 100_000 + "]" * 100_000 + "}",
+}
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -226,6 +245,12 @@ def corrupt(kind: str, path) -> None:
     ("size disagrees with shape", r"key 'mask': data_offsets .* hold 9 bytes, but BOOL \[10\] needs 10"),
     ("dtype not a string", r"key 'mask': dtype \['BOOL'\] is none of the safetensors dtypes"),
     ("deeply nested header", r"header is not valid JSON \(RecursionError"),
+    ("a field twice", r"header is not valid JSON \(ValueError: repeated field 'shape'\)"),
+    ("__metadata__ a list", r"__metadata__ must map strings to strings"),
+    ("a size-0 tensor 2**70 wide", r"key 'empty': invalid shape \[0, 1180591620717411303424\]"),
+    ("offsets as text", r"DCP_SHARDING_INFO gives offsets \['0'"),
+    ("offsets as floats", r"DCP_SHARDING_INFO gives offsets \[2.7"),
+    ("sharding info nested deep", r"unreadable DCP_SHARDING_INFO in __metadata__ \(RecursionError"),
 ])
 def test_bad_files_get_a_clear_error_naming_file_and_key(tmp_path, kind, message):
     write("save_file", str(tmp_path))
