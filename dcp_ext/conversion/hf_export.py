@@ -173,8 +173,23 @@ def _select(
             raise InvalidRequestError(f"{url}: key {key!r}: safetensors reserves this name for its header's string map; "
                                       "exclude it (exclude='^__metadata__$') or rename it")
         source = md.properties.dtype
-        chosen.append(_Tensor(key, source, dtype if dtype is not None and source.is_floating_point else source, tuple(md.size)))
+        target = dtype if dtype is not None and source.is_floating_point else source
+        if not _casts(source, target):
+            raise InvalidRequestError(
+                f"{url}: key {key!r}: torch cannot cast {source} to {target}; exclude it, or export without dtype"
+            )
+        chosen.append(_Tensor(key, source, target, tuple(md.size)))
     return chosen, report
+
+
+def _casts(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether torch converts ``source`` to ``target`` (it has no conversion for packed
+    float4, which is floating-point; the export's cast failed with NotImplementedError)."""
+    try:
+        torch.empty(1, dtype=source).to(target)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def _pack(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:

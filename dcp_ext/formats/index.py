@@ -97,14 +97,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_QUANTIZED = {getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)}
+QUANTIZED_DTYPES = frozenset(
+    getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)
+)
 
 
 def dtype_from_name(name: str, source: str) -> torch.dtype:
-    """A dtype our records can hold; quantized ones are refused (no writer stores them, and
-    a record read as one fails inside torch with an internal assert)."""
+    """A dtype our records can hold; quantized ones are refused (``ShardWriter`` refuses to
+    store them, and a record read as one fails inside torch with an internal assert)."""
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
+    if not isinstance(dtype, torch.dtype) or dtype in QUANTIZED_DTYPES:
         raise CorruptCheckpointError(f"{source}: unknown dtype {name!r}")
     return dtype
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dcp_ext.errors import CorruptCheckpointError, InvalidRequestError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
 from dcp_ext.formats.faults import shown
 from dcp_ext.formats.validate import is_dims
 
@@ -46,8 +46,20 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
     torch.float8_e8m0fnu: "F8_E8M0",  # MX scales
     torch.complex64: "C64",
+    torch.float4_e2m1fn_x2: "F4",  # the header counts 4-bit values: its last dim is twice torch's (_header_shape)
 }
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+WITHOUT_TORCH_DTYPE = ("F6_E2M3", "F6_E3M2")  # safetensors dtypes torch has no dtype for
+_PACKED = torch.float4_e2m1fn_x2  # two values per byte: one torch element
+
+
+def _header_shape(dtype: torch.dtype, shape: tuple[int, ...], key: str) -> list[int]:
+    """The shape a safetensors header gives a tensor of torch ``shape``."""
+    if dtype is not _PACKED:
+        return list(shape)
+    if not shape:
+        raise InvalidRequestError(f"key {key!r}: safetensors F4 holds no 0-d {dtype} (its shape counts 4-bit values)")
+    return [*shape[:-1], shape[-1] * 2]
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,8 @@ def encode_header(
     spans = []
     for name, (dtype, shape) in tensors.items():
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": dtype_name(dtype, name), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": dtype_name(dtype, name), "shape": _header_shape(dtype, tuple(shape), name),
+                        "data_offsets": [offset, offset + nbytes]}
         spans.append((name, dtype, tuple(shape), offset, offset + nbytes))
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -137,6 +150,8 @@ def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
         raise CorruptCheckpointError(f"{where}: expected dtype, shape and data_offsets, found {info!r}"[:300])
     dtype = DTYPES_BY_NAME.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     shape, offsets = info["shape"], info["data_offsets"]
+    if info["dtype"] in WITHOUT_TORCH_DTYPE:
+        raise CheckpointError(f"{where}: dtype {info['dtype']} has no torch dtype to load it into")
     if dtype is None:
         raise CorruptCheckpointError(
             f"{where}: dtype {info['dtype']!r} is none of the safetensors dtypes this reader knows "
@@ -144,12 +159,15 @@ def _entry(name: str, info: object, base: int, where: str) -> TensorEntry:
         )
     if not isinstance(shape, list) or not is_dims(shape):
         raise CorruptCheckpointError(f"{where}: invalid shape {shape!r}")
+    if dtype is _PACKED and (not shape or shape[-1] % 2):  # 4-bit values, two to a torch element
+        raise CorruptCheckpointError(f"{where}: F4 shape {shape} does not pack into bytes (its last dim must be even)")
+    stored_shape, shape = shape, [*shape[:-1], shape[-1] // 2] if dtype is _PACKED else shape
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
         raise CorruptCheckpointError(f"{where}: invalid data_offsets {offsets!r}")
     begin, end = offsets
     if end - begin != math.prod(shape) * dtype.itemsize:
         raise CorruptCheckpointError(
-            f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {info['dtype']} {shape} needs "
+            f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {info['dtype']} {stored_shape} needs "
             f"{math.prod(shape) * dtype.itemsize}"
         )
     return TensorEntry(name, dtype, tuple(shape), base + begin, base + end)

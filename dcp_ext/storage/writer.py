@@ -23,7 +23,7 @@ from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count, run_parallel
-from dcp_ext.formats.index import StoredItem, encode_index
+from dcp_ext.formats.index import QUANTIZED_DTYPES, StoredItem, encode_index
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.formats.torch_record import RecordSink, numel, write_bytes, write_tensor
 from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport, publish
@@ -221,6 +221,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             )
         prefix: FilePrefix = plan.storage_data
         try:
+            self._refuse_quantized(plan)
             with self.clock.phase("write"):
                 self.written = self._write_files(plan, planner)
         except BaseException:
@@ -233,6 +234,19 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         done: Future[list[WriteResult]] = Future()
         done.set_result(with_piece_digests(self.written, self.rank, getattr(planner, "piece_digests", ())))
         return done
+
+    def _refuse_quantized(self, plan: SavePlan) -> None:
+        """Quantized tensors are refused before this rank writes: their records and scales
+        are no plain dtype our index records (the checkpoint would commit, then fail every
+        load, ours and ``dcp-ext``'s, as corrupt)."""
+        for item in plan.items:
+            dtype = item.tensor_data.properties.dtype if item.tensor_data is not None else None
+            if dtype in QUANTIZED_DTYPES:
+                raise InvalidRequestError(
+                    f"{self.location.url}: key {item.index.fqn!r} is a quantized tensor ({dtype}), which ShardWriter "
+                    "does not store; save tensor.dequantize() (or its int_repr() and scales), or save it with "
+                    "FileSystemWriter"
+                )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         crash_point("after-data")

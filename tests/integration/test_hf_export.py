@@ -226,3 +226,18 @@ def test_cli_convert_to_hf_exports_tensors_and_names_skipped_items(tmp_path, cap
     assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err
     assert cli([*argv[:2], str(tmp_path / "h3"), "--to", "hf", "--max-shard-size", "0.5B"]) == 2  # rounds to 0 bytes
     assert "--max-shard-size '0.5B' is not a size" in capsys.readouterr().err
+
+
+def test_packed_float4_exports_as_safetensors_writes_it(tmp_path):
+    """F4, its header shape counting 4-bit values, as the safetensors library writes and
+    reads it; a cast to another dtype, which torch cannot make, is refused naming the key
+    (it failed with a NotImplementedError traceback)."""
+    w4 = torch.randint(0, 256, (4, 6), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    save({"w4": w4, "other": torch.randn(3)}, tmp_path / "ckpt")
+    export_safetensors(tmp_path / "ckpt", tmp_path / "hf")
+    [name] = [n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]
+    got = load_file(str(tmp_path / "hf" / name))
+    assert got["w4"].dtype == torch.float4_e2m1fn_x2 and torch.equal(got["w4"].view(torch.uint8), w4.view(torch.uint8))
+    with pytest.raises(InvalidRequestError, match="key 'w4': torch cannot cast torch.float4_e2m1fn_x2 to torch.bfloat16"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "hf16", dtype=torch.bfloat16)
+    assert not os.path.exists(tmp_path / "hf16")

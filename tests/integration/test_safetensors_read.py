@@ -285,3 +285,36 @@ def test_verify_notes_a_shard_the_index_leaves_out(tmp_path):
     save_file({"extra": torch.ones(3)}, tmp_path / "model-00099-of-00099.safetensors")
     report = verify_checkpoint(str(tmp_path))
     assert report.ok and report.unreferenced_files == ["model-00099-of-00099.safetensors"]
+
+
+def _float4(*shape: int, seed: int) -> torch.Tensor:
+    """Packed float4 (two 4-bit values a byte): random bytes, as torch has no fill for it."""
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).view(
+        torch.float4_e2m1fn_x2)
+
+
+def test_packed_float4_written_by_safetensors_loads_bit_exact(tmp_path):
+    """safetensors writes a (4, 6) float4_e2m1fn_x2 tensor as F4 of shape [4, 12] (it counts
+    4-bit values): the file was called corrupt, every key of it lost."""
+    want = {"w4": _float4(4, 6, seed=0), "other": torch.randn(3)}
+    save_file(want, str(tmp_path / "model.safetensors"))
+    header, _ = header_of(tmp_path / "model.safetensors")
+    assert header["w4"]["dtype"] == "F4" and header["w4"]["shape"] == [4, 12]
+    out = {"w4": _float4(4, 6, seed=1), "other": torch.full((3,), 7.0)}
+    dcp.load(out, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    got = load_file(str(tmp_path / "model.safetensors"))
+    assert out["w4"].shape == got["w4"].shape == (4, 6)
+    assert torch.equal(out["w4"].view(torch.uint8), got["w4"].view(torch.uint8)) and torch.equal(out["other"], got["other"])
+
+
+@pytest.mark.parametrize("dtype, shape, error, message", [
+    ("F6_E2M3", [4], CheckpointError, "key 'w': dtype F6_E2M3 has no torch dtype to load it into"),
+    ("F4", [3], CorruptCheckpointError, r"key 'w': F4 shape \[3\] does not pack into bytes"),
+])
+def test_safetensors_dtypes_torch_cannot_hold_are_named(tmp_path, dtype, shape, error, message):
+    write("save_file", str(tmp_path))
+    header, data = header_of(tmp_path / "model.safetensors")
+    rewrite(tmp_path / "model.safetensors", header | {"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}}, data)
+    with pytest.raises(error, match=message) as err:
+        ShardReader(tmp_path).read_metadata()
+    assert type(err.value) is error

@@ -10,10 +10,12 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import ChecksumMismatchError, InvalidRequestError
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.torch_record import RecordSink, parse_tensor_record, write_device_tensor, write_tensor
@@ -251,3 +253,21 @@ def test_views_of_one_element_with_any_stride_save_and_load(tmp_path, dtype):
     save(state, tmp_path)
     got, _ = load({k: garbage_like(v.clone()) for k, v in state.items()}, tmp_path)
     assert_state_dict_equal(got, {k: v.clone() for k, v in state.items()})
+
+
+@pytest.mark.parametrize("planner", [ShardSavePlanner, DefaultSavePlanner])
+def test_a_quantized_tensor_is_refused_before_anything_is_written(tmp_path, planner):
+    """ShardWriter committed a quantized tensor into a checkpoint that every load of ours (and
+    ``dcp-ext inspect`` / ``verify``) then called corrupt: its index holds no such dtype."""
+    before = {"w": torch.randn(4, 4)}
+    save(before, tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    state = {"w": torch.randn(4, 4), "q": torch.quantize_per_tensor(torch.randn(4, 4), 0.1, 3, torch.qint8)}
+    with pytest.raises(CheckpointException) as err:
+        dcp.save(state, storage_writer=ShardWriter(tmp_path), planner=planner())
+    failure = next(iter(err.value.failures.values()))[0]
+    assert isinstance(failure, InvalidRequestError)
+    assert str(failure).startswith(f"{tmp_path}: key 'q' is a quantized tensor (torch.qint8), which ShardWriter does not store")
+    assert sorted(os.listdir(tmp_path)) == files  # nothing of the failed save left
+    got, _ = load(before, tmp_path)
+    assert_state_dict_equal(got, before)
