@@ -257,6 +257,8 @@ class _MetadataFile:
                     size, crc = size + n, crc32c.crc32c(view[:n], crc)
             return cls((size, crc), None)
         except FileNotFoundError:
+            if location.is_file():  # an object store's key (a local file is named where it is opened)
+                raise CheckpointError(f"{location.url}: is a file, not a checkpoint directory") from None
             names = location.listdir()
             why = f"{METADATA_NAME} is missing" if names else "no such directory, or it is empty"
             if rank_metadata_name(0) in names:

@@ -46,6 +46,8 @@ Run = tuple[int, Sequence[memoryview]]  # (file offset, buffers filled back to b
 # fsspec backends' HTTP clients, whose errors are not OSError (botocore's EndpointConnectionError
 # for an endpoint that does not answer, NoCredentialsError, aiohttp's timeouts)
 STORE_CLIENTS = frozenset({"botocore", "aiobotocore", "aiohttp", "requests", "urllib3", "google", "azure"})
+# fsspec backends that build their client on the first request, from storage_options
+CLIENT_BUILDERS = frozenset({"s3fs", "gcsfs", "adlfs"})
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -58,9 +60,24 @@ def store_failures(where: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if type(exc).__module__.partition(".")[0] not in STORE_CLIENTS:
-            raise
-        raise CheckpointError(f"{where}: the object store failed ({type(exc).__name__}: {exc})") from exc
+        if type(exc).__module__.partition(".")[0] in STORE_CLIENTS:
+            raise CheckpointError(f"{where}: the object store failed ({type(exc).__name__}: {exc})") from exc
+        if isinstance(exc, TypeError) and _raised_in(exc, STORE_CLIENTS | CLIENT_BUILDERS):
+            # s3fs passes storage_options to its client only on the first request: a misspelled one
+            raise CheckpointError(
+                f"{where}: the object store client refused its settings; check storage_options ({exc})"
+            ) from exc
+        raise
+
+
+def _raised_in(exc: BaseException, packages: frozenset[str]) -> bool:
+    """Whether a frame of the exception's traceback runs code of one of ``packages``."""
+    frame = exc.__traceback__
+    while frame is not None:
+        if str(frame.tb_frame.f_globals.get("__name__", "")).partition(".")[0] in packages:
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def store_errors(method: F) -> F:
@@ -136,6 +153,10 @@ class Location(ABC):
     @abstractmethod
     def listdir(self, name: str = "") -> list[str]:
         """Entry names of the directory or of its subdirectory ``name`` ([] if missing)."""
+
+    @abstractmethod
+    def is_file(self) -> bool:
+        """Whether the checkpoint's path is a file (an object, on a store) and so no directory."""
 
     @abstractmethod
     def walk(self) -> list[str]:
@@ -424,6 +445,9 @@ class LocalLocation(Location):
                     ) from None
                 raise
 
+    def is_file(self) -> bool:
+        return os.path.isfile(self.root)
+
     def remove_dir_if_empty(self) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(self.root)
@@ -474,6 +498,12 @@ class FsspecLocation(Location):
             raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({exc})") from None
         except TypeError as exc:  # storage_options its filesystem does not take
             raise InvalidRequestError(f"{os.fspath(path)}: storage_options {storage_options!r} ({exc})") from None
+        if "//" in os.fspath(path).split("://", 1)[-1].strip("/"):
+            raise InvalidRequestError(
+                f"{os.fspath(path)}: the path has an empty segment ('//'), which object stores keep in their keys "
+                "(s3fs cannot list a checkpoint under 'bucket//prefix': every save there failed, taking its own "
+                "files for another job's removals); remove the extra '/'"
+            )
         self.fs: fsspec.AbstractFileSystem = fs
         self.networked = bool(getattr(fs, "async_impl", False))
         self.root = root.rstrip("/") or root
@@ -544,6 +574,10 @@ class FsspecLocation(Location):
                 raise FileExistsError(self.root)
             self.fs.makedirs(self.root, exist_ok=True)
         return not existed
+
+    @store_errors
+    def is_file(self) -> bool:
+        return bool(self.fs.isfile(self.root))
 
     def remove_dir_if_empty(self) -> None:
         with contextlib.suppress(OSError):

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext import CheckpointError, InvalidRequestError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import rank_failure
 from dcp_ext.formats.index import PREVIOUS_INDEX_NAME
 from dcp_ext.formats.marker import MARKER_NAME
@@ -367,3 +367,34 @@ def test_cleanup_of_a_failed_save_on_a_store_that_is_gone_only_warns(caplog):
         with caplog.at_level("WARNING", logger="dcp_ext"):
             OpenSave(Location(url, options), "token", "", False).discard()
         assert f"{url}: could not remove the files of failed save token" in caplog.text
+
+
+def test_a_misspelled_storage_option_is_named_as_one(s3, url):
+    """s3fs hands storage_options to its client on the first request: a misspelled option
+    failed the save with a bare TypeError from aiobotocore naming neither."""
+    options = {**s3.options, "secrett": "x"}
+    with pytest.raises(BaseException) as saved:
+        save({"w": torch.ones(4)}, url, storage_options=options)
+    with pytest.raises(CheckpointError) as read:
+        ShardReader(url, storage_options=options).read_metadata()
+    for failure in (rank_failure(saved.value), read.value):
+        assert isinstance(failure, CheckpointError), repr(failure)
+        assert str(failure) == (f"{url}: the object store client refused its settings; check storage_options "
+                                "(AioSession.__init__() got an unexpected keyword argument 'secrett')")
+
+
+def test_an_empty_path_segment_is_refused_before_anything_is_written(s3):
+    """s3fs lists nothing under 'bucket//prefix' (the key keeps the '/'): every save there
+    failed as if another job had removed its files, and left them in the bucket."""
+    url = f"s3://{BUCKET}//{uuid.uuid4().hex}"
+    for make in (lambda: ShardWriter(url, storage_options=s3.options), lambda: ShardReader(url, storage_options=s3.options)):
+        with pytest.raises(InvalidRequestError, match=r"the path has an empty segment \('//'\).* remove the extra '/'"):
+            make()
+    assert not any("//" in key for key in s3.fs().find(BUCKET))
+
+
+def test_a_prefix_that_is_an_object_is_named_as_a_file(s3, url):
+    s3.fs().pipe(url.removeprefix("s3://"), b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=f"^{url}: is a file, not a checkpoint directory$"):
+        ShardReader(url, storage_options=s3.options).read_metadata()
+    assert verify_checkpoint(url, storage_options=s3.options).faults == [f"{url}: is a file, not a checkpoint directory"]
