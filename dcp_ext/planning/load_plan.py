@@ -32,24 +32,24 @@ LocalShard = tuple[str, int, ChunkStorageMetadata]  # key, index in the tensor's
 
 
 @gc_paused()  # thousands of read items, no garbage
-def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool) -> list[ReadItem]:
-    """What DCP's default local load plan holds for ``state_dict`` (same checks, same
-    messages, as ``InvalidRequestError``: both the ValueError and the RuntimeError DCP
-    raises), computed from the index's columns."""
+def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, source: str) -> list[ReadItem]:
+    """What DCP's default local load plan holds for ``state_dict`` (same checks, DCP's
+    messages after ``source``, the checkpoint, as ``InvalidRequestError``: both the
+    ValueError and the RuntimeError DCP raises), computed from the index's columns."""
     items: list[ReadItem] = []
     shards: list[LocalShard] = []
     memo: ChunkMemo = {}
     for fqn, obj in state_dict.items():
         if fqn not in keys:
             if strict:  # DCP's message; an InvalidRequestError is also the RuntimeError DCP raises
-                raise InvalidRequestError(f"Missing key in checkpoint state_dict: {fqn}.")
+                raise InvalidRequestError(f"{source}: Missing key in checkpoint state_dict: {fqn}.")
             continue
         facts = keys.facts(fqn)
         if facts is None or not isinstance(obj, torch.Tensor):
             items += _create_read_items(fqn, keys[fqn], obj)
             continue
         if facts[1] != obj.size():
-            raise InvalidRequestError(f"Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
+            raise InvalidRequestError(f"{source}: Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
         shards += [(fqn, i, chunk) for i, chunk in enumerate(local_chunks(obj, memo))]

@@ -366,7 +366,8 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         self._shared = None
         keys = None if self.metadata is None else self.metadata.state_dict_metadata
         if isinstance(keys, IndexedKeys):  # our index: plan from its columns (load_plan)
-            plan = LoadPlan(local_read_items(self.state_dict, keys, strict=not self.allow_partial_load))
+            source = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "the checkpoint"
+            plan = LoadPlan(local_read_items(self.state_dict, keys, not self.allow_partial_load, str(source)))
         else:
             plan = super().create_local_plan()
         if type(self).create_local_plan is not ShardLoadPlanner.create_local_plan:

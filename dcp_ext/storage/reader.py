@@ -237,11 +237,12 @@ class ShardReader(StorageReader):
         return dataclasses.replace(metadata, storage_meta=self._storage_meta(metadata.storage_meta))
 
     def _storage_meta(self, saved: Any) -> StorageMeta:
-        """The checkpoint's ``StorageMeta`` with this load's id, rebuilt from the fields it has:
-        a ``.metadata`` whose pickle lost one (stock never reads them) loads, as with stock."""
+        """The checkpoint's ``StorageMeta`` with this load's id and where it is loaded from
+        (a planner's errors name it), rebuilt from the fields it has: a ``.metadata`` whose
+        pickle lost one (stock never reads them) loads, as with stock."""
         fields = dataclasses.fields(StorageMeta)
         kept = {f.name: getattr(saved, f.name) for f in fields if isinstance(saved, StorageMeta) and hasattr(saved, f.name)}
-        return StorageMeta(**{**kept, "load_id": self.load_id})
+        return StorageMeta(**{**kept, "checkpoint_id": self.location.url, "load_id": self.load_id})
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator

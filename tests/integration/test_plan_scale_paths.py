@@ -257,7 +257,7 @@ def subset_load_job(rank: int, world_size: int, path: str) -> dict:
     # the per-key decode plans exactly what DCP plans from the pickled .metadata
     keys = read_catalog(Location(path)).metadata.state_dict_metadata
     pickled = load_metadata_pickle(open(f"{path}/.metadata", "rb").read(), path)
-    ours = local_read_items(expected, keys, strict=True)
+    ours = local_read_items(expected, keys, True, "ckpt")
     stock = create_default_local_load_plan(expected, pickled, True).items
     describe = lambda items: sorted(
         (i.dest_index.fqn, tuple(i.dest_index.offset), tuple(i.storage_index.offset), tuple(i.dest_offsets), tuple(i.storage_offsets), tuple(i.lengths))
@@ -358,7 +358,7 @@ def test_a_destination_that_does_not_fit_is_a_request_error_dcp_callers_catch(tm
     save({"w": torch.ones(4, 3)}, tmp_path)
     error = load_error({"w": torch.ones(4, 2)}, tmp_path)
     assert isinstance(error, InvalidRequestError) and isinstance(error, ValueError), repr(error)
-    assert "Size mismatch between saved torch.Size([4, 3]) and current: torch.Size([4, 2]) for w" in str(error)
+    assert f"{tmp_path}: Size mismatch between saved torch.Size([4, 3]) and current: torch.Size([4, 2]) for w" in str(error)
     error = load_error({"w": torch.ones(4, 3), "x": torch.ones(1)}, tmp_path)
     assert isinstance(error, InvalidRequestError) and isinstance(error, RuntimeError), repr(error)
-    assert "Missing key in checkpoint state_dict: x." in str(error)
+    assert f"{tmp_path}: Missing key in checkpoint state_dict: x." in str(error)  # which step_N directory
