@@ -64,6 +64,8 @@ def safe_torch_load(
     ``layout_only=True`` reads only the pickle and the zip directory: tensors come back on
     the meta device (shape, strides, dtype, no data), each storage knowing where its bytes
     sit in the file (``stored_at``), so a reader can then fetch just the byte ranges it needs.
+    Both take each storage's bytes from where the pickle says, so both first load the layout
+    and check every storage against its zip entry (``_check_storages``).
     """
     stream: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     if layout_only or mmap:  # both take each storage's bytes from the file as its pickle claims them
