@@ -217,16 +217,16 @@ def stored_at(tensor: torch.Tensor, where: str) -> int:
     return offset
 
 
+TRUST_HINT = "register classes you trust with torch.serialization.add_safe_globals"
+
+
 def safe_load_bytes(data: bytes, where: str, opt_out: str) -> Any:
     """Decode a DCP bytes item with ``safe_torch_load``; a refusal says how to trust it
     (``opt_out``: the switch of the caller, e.g. ``ShardReader(allow_unsafe_bytes=True)``)."""
     try:
         return safe_torch_load(data, where)
     except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(
-            f"{exc}; register classes you trust with torch.serialization.add_safe_globals, "
-            f"or pass {opt_out} for a checkpoint you trust"
-        ) from None
+        raise UnsafeCheckpointError(f"{exc}; {TRUST_HINT}, or pass {opt_out} for a checkpoint you trust") from None
 
 
 def refused_globals(source: str | os.PathLike[str] | bytes) -> list[str]:

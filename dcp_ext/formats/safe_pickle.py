@@ -65,6 +65,11 @@ def _layout_by_name(name: str) -> torch.layout:
     return layout
 
 
+# a storage item's location; and a local plan's storage_data, which megatron-core pickles
+# into .metadata with its cached save plans (TorchDistSaveShardedStrategy(cached_metadata=True))
+_FILESYSTEM_CLASSES = frozenset({"_StorageInfo", "_StoragePrefix"})
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
@@ -75,8 +80,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(dcp_metadata, _LEGACY_NAMES[name])
         if module == _MCORE_MODULE and name in _MCORE_CLASSES:
             return _MCORE_CLASSES[name]
-        if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
-            return dcp_filesystem._StorageInfo
+        if module == "torch.distributed.checkpoint.filesystem" and name in _FILESYSTEM_CLASSES:
+            return getattr(dcp_filesystem, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return _layout_by_name
         if (module, name) == ("torch", "Size"):

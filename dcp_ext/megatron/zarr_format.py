@@ -57,11 +57,19 @@ class ZarrArray:
         return f"{self.path}/{name}"
 
 
+SYNC_SUFFIX = ".sync"
+
+
 def find_entries(location: Location) -> tuple[dict[str, int], list[str]]:
     """(array directory -> the chunk files below it, ShardedObject ``.pt`` files), relative
     to the checkpoint."""
     names = location.walk()
-    arrays = dict.fromkeys(sorted(posixpath.dirname(n) for n in names if posixpath.basename(n) == ZARRAY and "/" in n), 0)
+    found = {posixpath.dirname(n) for n in names if posixpath.basename(n) == ZARRAY and "/" in n}
+    # megatron-core writes a flattened optimizer range through zarr.ProcessSynchronizer("{key}.sync"):
+    # a directory of empty lock files beside the array, named like its entries (.zarray, 0.0, ...)
+    locks = {f"{array}{SYNC_SUFFIX}" for array in found}
+    names = [n for n in names if n.split("/", 1)[0] not in locks]
+    arrays = dict.fromkeys(sorted(found - locks), 0)
     for name in names:
         parent = posixpath.dirname(name)
         while parent and parent not in arrays:  # chunk files nest with dimension_separator "/"

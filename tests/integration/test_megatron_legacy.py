@@ -131,8 +131,9 @@ def test_common_state_and_unsafe_files(tmp_path):
     common = load_common_state(tmp_path)
     assert common["iteration"] == 20 and common["args"].swiglu is True and "model" not in common
     _rewrite(rank_file(tmp_path, "iter_0000020", "mp_rank_00"), lambda m: m.__setitem__("evil", os.system))
-    with pytest.raises(UnsafeCheckpointError, match="os.system|posix.system"):
+    with pytest.raises(UnsafeCheckpointError, match="os.system|posix.system") as err:
         load_common_state(tmp_path)
+    assert str(err.value).endswith("; register classes you trust with torch.serialization.add_safe_globals")
 
 
 def test_cached_source_loads_each_file_once(tmp_path, monkeypatch):
