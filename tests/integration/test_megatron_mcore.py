@@ -5,7 +5,9 @@ common.pt), the same from 0.19.2 (common state as the ``common_state`` ShardedOb
 common.pt), zarr from 0.12.2 (TP2, bf16 norms, SwiGLU, RNG objects, common.pt), and a
 GPTModel with the DistributedOptimizer's flattened-range format from 0.14.0 (PP2 x DP2,
 fully-parallel save; ``.metadata`` holds ``MCoreSavePlan``s) and 0.15.3 (TP2 x DP2;
-``.metadata`` is an ``MCoreMetadata``).
+``.metadata`` is an ``MCoreMetadata``); the same model from 0.19.2 saved with cached plans
+(``dp_reshardable`` optimizer buffers; ``.metadata`` pickles ``_StoragePrefix``) and from
+0.12.2 as zarr (``{key}.sync`` lock directories beside the flattened arrays).
 
 Fixture and expected values: ``tests/fixtures/megatron/generate.py`` (see its README).
 """
@@ -33,7 +35,8 @@ from support import FIXTURES, assert_tensor_equal, garbage_like
 
 MEGATRON_FIXTURES = FIXTURES / "megatron"
 NAMES = {"mcore016_tp2_dp2_ep2": "0.16.1", "mcore019_tp2_dp2_ep2": "0.19.2", "mcore012_zarr_tp2": "0.12.2",
-         "mcore014_pp2_dp2_distopt": "0.14.0", "mcore015_tp2_dp2_distopt": "0.15.3"}
+         "mcore014_pp2_dp2_distopt": "0.14.0", "mcore015_tp2_dp2_distopt": "0.15.3",
+         "mcore019_tp2_dp2_distopt_cached": "0.19.2", "mcore012_zarr_dp2_distopt": "0.12.2"}
 DISTOPT = {"mcore014_pp2_dp2_distopt": b"MCoreSavePlan", "mcore015_tp2_dp2_distopt": b"MCoreMetadata"}  # pickled classes
 
 
@@ -116,6 +119,21 @@ def test_metadata_holds_megatrons_save_plans():
     raw = (ckpt / ".metadata").read_bytes()
     assert b"SavePlan" in raw and b"WriteItem" in raw
     assert len(ShardReader(ckpt).read_metadata().state_dict_metadata) > 40
+
+
+def test_what_the_two_layouts_that_did_not_open_hold():
+    """megatron-core 0.19.2 with cached save plans (``cached_metadata=True``: Megatron-LM's
+    --ckpt-assume-constant-structure) pickles them into .metadata from its second save on,
+    their storage_data a ``_StoragePrefix`` the metadata unpickler refused; 0.12.2's zarr
+    save of the distributed optimizer leaves a ``{key}.sync`` directory of empty lock files
+    beside each flattened array, read as an array of its own. Both now load bit-exact
+    (``test_every_tensor_and_object_loads_bit_exact``, and resharded below)."""
+    assert b"_StoragePrefix" in (MEGATRON_FIXTURES / "mcore019_tp2_dp2_distopt_cached" / ".metadata").read_bytes()
+    zarr = MEGATRON_FIXTURES / "mcore012_zarr_dp2_distopt"
+    locks = sorted(p.name for p in zarr.iterdir() if p.name.endswith(".sync"))
+    assert len(locks) >= 20 and all((zarr / lock.removesuffix(".sync") / ".zarray").is_file() for lock in locks)
+    assert (zarr / locks[0] / ".zarray").stat().st_size == 0
+    assert not any(key.endswith(".sync") for key in ShardReader(zarr).read_metadata().state_dict_metadata)
 
 
 @pytest.mark.parametrize("name", DISTOPT)
