@@ -201,6 +201,8 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
 
     def _decide(self, digests: list[bytes], tp_ranks: list[int | None]) -> tuple[bytes | None, np.ndarray]:
         """Coordinator, in the digest exchange: the cached plan's id for this layout, and who sends a table."""
+        if 0 < tp_ranks.count(None) < len(tp_ranks):  # replica_locality on some ranks only: no cached
+            return None, np.ones(len(digests), bool)  # plan, every table; create_global_plan names them
         key = plan_key(digests, tp_ranks if self.replica_locality else None)
         cached = plan_id(key) if cached_plan(key) is not None else None
         return cached, first_senders(digests, held_tables())
@@ -213,6 +215,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
                 "read them. Save with ShardWriter, or leave replica_locality off"
             )
         plans = [_shard_plan(plan, rank) for rank, plan in enumerate(all_plans)]
+        _refuse_differing_options(plans)
         if self._agreement is not None and self._agreement.world != len(plans):
             raise InvalidRequestError(
                 f"ShardSavePlanner: the digest exchange ran on {self._agreement.world} ranks but dcp.save gathered "
@@ -289,6 +292,23 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if write_item.type == WriteItemType.SHARD:  # possibly a refined sub-chunk
             return chunk_view(self.state_dict[write_item.index.fqn], write_item, self._chunks)
         return super().resolve_data(write_item)
+
+
+def _refuse_differing_options(plans: list[ShardLocalPlan]) -> None:
+    """Options every rank must pass alike, as each rank's plan shows them: a rank that checks
+    replicas sends digests or hashes (a check the others skip compared nothing), one with
+    replica_locality its TP rank (its copies were silently not kept, or the plan failed)."""
+    for option, shown in (
+        ("check_replicas", [plan.chunk_digests is not None or plan.unit_hashes is not None for plan in plans]),
+        ("replica_locality", [plan.tp_rank is not None for plan in plans]),
+    ):
+        if any(shown) != all(shown):
+            on = [rank for rank, value in enumerate(shown) if value]
+            off = [rank for rank, value in enumerate(shown) if not value]
+            raise InvalidRequestError(
+                f"ShardSavePlanner({option}=...) differs across ranks: ranks {on} pass {option}=True, ranks {off} "
+                "False; pass the same planner options on every rank"
+            )
 
 
 def _shard_plan(plan: SavePlan, rank: int) -> ShardLocalPlan:

@@ -57,16 +57,23 @@ def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, numel - 1, SAMPLES, dtype=torch.float64).long().to(device)
 
 
+# a non-tensor item's row: not compared (stock compares none), but the same on every rank, so
+# the hash of a set of chunks it belongs to stays known (a zero row made it unknown: one
+# replicated `step` beside the replicated tensors of a rank turned their check off)
+BYTES_ROW = np.frombuffer(hashlib.blake2b(b"dcp_ext: a non-tensor item", digest_size=16).digest(), np.uint64)
+
+
 def chunk_digest_rows(
     items: list[WriteItem], lookup: Callable[[MetadataIndex], object], rows: Iterable[int] | None = None
 ) -> np.ndarray:
     """(len(items), 2) uint64: the digest of every tensor chunk in ``items`` (``lookup``
-    finds the data), or of the chunks at ``rows`` alone; zero rows where there is nothing
-    comparable (non-tensor items) or no digest was asked for."""
+    finds the data), or of the chunks at ``rows`` alone; ``BYTES_ROW`` for non-tensor items,
+    zero rows where no tensor is at hand or no digest was asked for."""
     out = np.zeros((len(items), 2), np.uint64)
     for row in range(len(items)) if rows is None else rows:
         item = items[row]
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            out[row] = BYTES_ROW
             continue
         tensor = lookup(item.index)
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from dcp_ext.errors import InvalidRequestError
+from dcp_ext.errors import InvalidRequestError, rank_failure
 from dcp_ext.planning.plan_cache import clear_plan_cache
 
 from mp import run_job
@@ -362,3 +362,46 @@ def test_a_destination_that_does_not_fit_is_a_request_error_dcp_callers_catch(tm
     error = load_error({"w": torch.ones(4, 3), "x": torch.ones(1)}, tmp_path)
     assert isinstance(error, InvalidRequestError) and isinstance(error, RuntimeError), repr(error)
     assert f"{tmp_path}: Missing key in checkpoint state_dict: x." in str(error)  # which step_N directory
+
+
+def replicated_with_step_job(rank: int, world_size: int, path: str) -> dict:
+    """A replicated tensor beside a replicated non-tensor item (every real state dict has a
+    step or param_groups), saved twice by one planner: the second save reuses the plan, and
+    rank 1's tensor no longer matches rank 0's."""
+    clear_plan_cache()
+    planner = ShardSavePlanner(group=torch.distributed.group.WORLD)
+    out = {}
+    for save_number, skew in enumerate((0.0, 100.0 * rank)):
+        state = {"b": torch.arange(6.0) + save_number + skew, "step": save_number}
+        try:
+            dcp.save(state, storage_writer=ShardWriter(f"{path}_{save_number}"), planner=planner)
+            out[save_number] = ("saved", planner.plan_reused)
+        except CheckpointException as exc:
+            out[save_number] = (type(rank_failure(exc)).__name__, str(rank_failure(exc)))
+    for option in ("check_replicas", "replica_locality"):  # an option on rank 0 only
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+        state = {"n": distribute_tensor(torch.arange(6.0), mesh, [Replicate(), Replicate()])}
+        options = {"cache_plans": False, "check_replicas": False, option: rank == 0}
+        planner = ShardSavePlanner(**options)
+        try:
+            dcp.save(state, storage_writer=ShardWriter(f"{path}_{option}"), planner=planner)
+            out[option] = "saved"
+        except CheckpointException as exc:
+            out[option] = str(rank_failure(exc))
+    return out
+
+
+@pytest.mark.mp
+def test_a_replicated_non_tensor_item_leaves_the_check_of_a_reused_plan_on(tmp_path):
+    """A non-tensor row had a zero digest, which made its whole set of chunks (everything
+    two ranks both hold) unknown: under a reused plan the check of every replicated tensor
+    was off, and rank 1 loaded rank 0's values. And options that must agree across ranks
+    are refused by name: check_replicas on one rank compared nothing; replica_locality on
+    one rank failed with a bare TypeError, or silently kept no copies."""
+    for result in run_job(replicated_with_step_job, 2, str(tmp_path / "ckpt")):
+        assert result[0] == ("saved", False)
+        kind, message = result[1]
+        assert kind == "ReplicaMismatchError" and "'b'" in message and "cached plan" in message, message
+        for option in ("check_replicas", "replica_locality"):
+            assert result[option] == (f"ShardSavePlanner({option}=...) differs across ranks: ranks [0] pass {option}=True, "
+                                      f"ranks [1] False; pass the same planner options on every rank"), result[option]
