@@ -14,6 +14,7 @@ crashed export never leaves something that looks like a finished one.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -182,6 +183,7 @@ def _select(
     return chosen, report
 
 
+@functools.cache  # a few dtype pairs, asked for every key
 def _casts(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether torch converts ``source`` to ``target`` (it has no conversion for packed
     float4, which is floating-point; the export's cast failed with NotImplementedError)."""
