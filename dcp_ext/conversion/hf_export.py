@@ -37,7 +37,7 @@ from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import StartedPool
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.reader import ShardReader, checking_reader
+from dcp_ext.storage.reader import ShardReader, check_records_held, checking_reader
 
 INDEX_NAME = "model.safetensors.index.json"
 EXPORT_FILE = re.compile(r"model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?")  # what overwrite replaces
@@ -106,6 +106,7 @@ def export_safetensors(
     tensors, report = _select(reader.read_metadata().state_dict_metadata, dtype, include, exclude, reader.location.url)
     if not tensors:
         raise InvalidRequestError(f"{reader.location.url}: no tensors to export (include={include!r}, exclude={exclude!r})")
+    check_records_held(reader, {t.key for t in tensors})
     if dtype is not None and not any(t.source_dtype.is_floating_point for t in tensors):
         raise InvalidRequestError(
             f"{reader.location.url}: export_safetensors(dtype={dtype}) (dcp-ext convert --dtype) would cast nothing: "

@@ -163,6 +163,8 @@ def _check_storages(state: Any, entries: list[_Entry], where: str) -> None:
     for path, tensor in _tensors(state):
         storage = tensor.untyped_storage()
         offset, nbytes = stored_at(tensor, where), storage.nbytes()
+        if not nbytes:  # nothing is read (an empty entry's data offset is the next entry's header)
+            continue
         at = bisect.bisect_right(headers, offset) - 1
         entry = entries[at] if at >= 0 else None
         if entry is None:
@@ -171,8 +173,8 @@ def _check_storages(state: Any, entries: list[_Entry], where: str) -> None:
             fault = f"its entry {entry.name!r} is compressed"
         elif entry.size != nbytes:
             fault = f"its entry {entry.name!r} holds {entry.size} bytes"
-        elif offset + nbytes > entry.limit:
-            fault = f"that runs past its entry {entry.name!r} (to byte {entry.limit})"
+        elif offset < entry.header + 30 + len(entry.name.encode()) or offset + nbytes > entry.limit:
+            fault = f"that is not within its entry {entry.name!r} (bytes {entry.header} to {entry.limit})"
         else:
             continue
         raise CorruptCheckpointError(

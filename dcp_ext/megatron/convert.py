@@ -28,7 +28,7 @@ from dcp_ext.megatron.torch_dist import COMMON_PT
 from dcp_ext.runtime.options import callback, flag
 from dcp_ext.storage.catalog_formats import held_format
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.reader import checking_reader
+from dcp_ext.storage.reader import check_records_held, checking_reader
 from dcp_ext.storage.writer import ShardWriter
 
 
@@ -122,6 +122,7 @@ def convert(
         fqn: numel(md.size) * md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 0
         for fqn, md in entries.items()
     }
+    check_records_held(reader, [fqn for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata)])  # before allocating
     total, done = sum(sizes.values()), 0
     # every bytes item in one load, checked before anything is written, then held until written
     raw_planner = _RawBytesLoadPlanner()

@@ -498,7 +498,7 @@ class FsspecLocation(Location):
             raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({exc})") from None
         except TypeError as exc:  # storage_options its filesystem does not take
             raise InvalidRequestError(f"{os.fspath(path)}: storage_options {storage_options!r} ({exc})") from None
-        if "//" in os.fspath(path).split("://", 1)[-1].strip("/"):
+        if "//" in root.split("://", 1)[-1].split("?", 1)[0].strip("/"):  # the innermost path (an http root is the URL)
             raise InvalidRequestError(
                 f"{os.fspath(path)}: the path has an empty segment ('//'), which object stores keep in their keys "
                 "(s3fs cannot list a checkpoint under 'bucket//prefix': every save there failed, taking its own "

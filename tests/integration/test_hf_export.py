@@ -241,3 +241,19 @@ def test_packed_float4_exports_as_safetensors_writes_it(tmp_path):
     with pytest.raises(InvalidRequestError, match="key 'w4': torch cannot cast torch.float4_e2m1fn_x2 to torch.bfloat16"):
         export_safetensors(tmp_path / "ckpt", tmp_path / "hf16", dtype=torch.bfloat16)
     assert not os.path.exists(tmp_path / "hf16")
+
+
+def test_a_damaged_key_left_out_does_not_stop_the_export(tmp_path):
+    """The export checks that the files hold the records of the keys it copies before it
+    allocates them; a check of every key refused an export that excluded the damaged one."""
+    src = tmp_path / "ckpt"
+    want = torch.arange(1000.0)
+    dcp.save({"keep": want, "zz_broken": torch.ones(1000)}, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    [data] = [src / n for n in os.listdir(src) if n.endswith(".distcp")]
+    os.truncate(data, os.path.getsize(data) - 100)  # the last record only: zz_broken's
+    export_safetensors(src, tmp_path / "hf", exclude="zz_broken")
+    [name] = [n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]
+    assert list(load_file(str(tmp_path / "hf" / name))) == ["keep"]
+    assert torch.equal(load_file(str(tmp_path / "hf" / name))["keep"], want)
+    with pytest.raises(CheckpointError, match=r"key 'zz_broken': item needs bytes up to \d+ but the file has"):
+        export_safetensors(src, tmp_path / "hf_all")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
+import zipfile
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -206,3 +208,20 @@ def test_format_detection_looks_for_zarr_arrays_once(tmp_path):
     _CountedLocation.calls = 0
     assert held_format(_CountedLocation(tmp_path)) is None
     assert _CountedLocation.calls <= 50 + 4, _CountedLocation.calls
+
+
+@pytest.mark.parametrize("url, refused", [
+    ("memory://bucket//ckpt", True),  # s3fs lists nothing under such a prefix: every save failed
+    ("memory://bucket/ckpt//", False),  # a trailing slash or two
+    ("zip://ckpt::memory://archive.zip", False),  # chained: the innermost path is what a store keys
+    ("https://host/ckpt?sig=a//b", False),  # a query string is no path
+])
+def test_an_empty_path_segment_is_refused_and_only_that(url, refused) -> None:
+    if url.startswith("zip://"):  # the archive opens with the location
+        with fsspec.open("memory://archive.zip", "wb") as f, zipfile.ZipFile(f, "w") as archive:
+            archive.writestr("ckpt/.metadata", b"x")
+    if refused:
+        with pytest.raises(InvalidRequestError, match=r"the path has an empty segment \('//'\)"):
+            Location(url)
+    else:
+        assert isinstance(Location(url), FsspecLocation)

@@ -220,6 +220,19 @@ def test_storage_offsets_point_at_the_stored_bytes(tmp_path):
         stored_at(torch.empty(3, device="meta"), "made on the meta device")
 
 
+def test_empty_storages_before_others_pass_the_storage_check(tmp_path):
+    """An empty entry has no bytes, so its data offset is the next entry's header: the check
+    of storages against their zip entries took the next entry for it and refused the file."""
+    want = {"a": torch.empty(0), "b": torch.arange(3.0), "c": torch.empty(0, 2, dtype=torch.int64), "d": torch.ones(2)}
+    path = tmp_path / "f.pt"
+    torch.save(want, path)
+    layouts = safe_torch_load(str(path), "f.pt", layout_only=True)
+    assert {k: tuple(v.shape) for k, v in layouts.items()} == {k: tuple(v.shape) for k, v in want.items()}
+    mapped = safe_torch_load(str(path), "f.pt", mmap=True)
+    for key, value in want.items():
+        assert_tensor_equal(mapped[key], value, key)
+
+
 def _tamper(root, edit) -> str:
     """A TP1 checkpoint whose rank file (and directory) ``edit(state, root)`` changed."""
     write_legacy(str(root), tp=1, pp=1, num_layers=2)
