@@ -27,6 +27,9 @@ _COMMANDS = {
 INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
 
 
+ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's, on every step
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
     try:
         with warnings.catch_warnings():  # the commands run DCP in one process on purpose: its note says so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
             sys.stdout = _Output(stdout)
             code = modules[args.command].main(args)
             sys.stdout.flush()  # a full disk under ``> file`` is reported here, not at exit
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, CheckpointException) as exc:  # dcp.save/load: report the first rank's failure
         error = rank_failure(exc)
         if isinstance(error, KeyboardInterrupt):  # Ctrl-C, raised here or inside a DCP step (it wraps even that)
+            # reader and writer threads may still start a DCP step after the one line: their note stays quiet
+            warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
             print("error: interrupted", file=sys.stderr)
             return INTERRUPTED
         if not isinstance(error, (CheckpointError, OSError)):
