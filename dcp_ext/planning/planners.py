@@ -44,7 +44,7 @@ from dcp_ext.planning.replica_check import alone_marks, chunk_digest, chunk_dige
 from dcp_ext.planning.replica_units import ReplicaUnits, check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
 from dcp_ext.storage.piece_digests import PieceDigest
-from dcp_ext.storage.save_tracking import SaveOrder
+from dcp_ext.storage.save_tracking import SaveOrder, check_same_save
 
 
 def _stock_save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +208,9 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         return cached, first_senders(digests, held_tables())
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # ShardWriter's own check, before the replica check: ranks that paired different saves
+        # declare the same chunks with other data, which that check reported as replicas that differ
+        check_same_save(all_plans)
         if self.replica_locality and not all(isinstance(plan.storage_data, SaveOrder) for plan in all_plans):
             raise InvalidRequestError(
                 "ShardSavePlanner(replica_locality=True) needs ShardWriter, which files the TP-replica copies in "

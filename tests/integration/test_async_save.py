@@ -595,7 +595,8 @@ def mismatched_pairing_job(rank: int, world: int, base: str) -> list[str | None]
     for step in range(3):
         if step == 2:
             concurrent.futures.wait(uploads)
-        sd = {f"r{rank}": torch.full((64,), float(step))}
+        # a replicated key too: the saves paired, its copies differ (reported as a replica mismatch before)
+        sd = {f"r{rank}": torch.full((64,), float(step)), "shared": torch.full((8,), float(step))}
         response = dcp.async_save(sd, storage_writer=writer, planner=ShardSavePlanner(), process_group=group,
                                   async_stager=stager, checkpoint_id=os.path.join(base, f"step{step}"))
         uploads.append(response.upload_completion)
@@ -613,7 +614,7 @@ def test_ranks_pairing_different_saves_are_refused(tmp_path):
             assert errors[step] is not None and "the ranks paired different saves in one dcp.save " + paired in errors[step], errors[step]
             assert not (tmp_path / f"step{step}" / ".metadata").exists(), step
         assert errors[2] is None, (rank, errors)
-    expected = {name: torch.full((64,), 2.0) for name in ("r0", "r1")}
+    expected = {name: torch.full((64,), 2.0) for name in ("r0", "r1")} | {"shared": torch.full((8,), 2.0)}
     loaded = {name: garbage_like(value) for name, value in expected.items()}
     dcp.load(loaded, storage_reader=ShardReader(tmp_path / "step2"), planner=ShardLoadPlanner(), no_dist=True)
     assert_state_dict_equal(loaded, expected, "step 2")
