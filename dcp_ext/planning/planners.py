@@ -201,8 +201,6 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
 
     def _decide(self, digests: list[bytes], tp_ranks: list[int | None]) -> tuple[bytes | None, np.ndarray]:
         """Coordinator, in the digest exchange: the cached plan's id for this layout, and who sends a table."""
-        if 0 < tp_ranks.count(None) < len(tp_ranks):  # replica_locality on some ranks only: no cached
-            return None, np.ones(len(digests), bool)  # plan, every table; create_global_plan names them
         key = plan_key(digests, tp_ranks if self.replica_locality else None)
         cached = plan_id(key) if cached_plan(key) is not None else None
         return cached, first_senders(digests, held_tables())

@@ -378,16 +378,16 @@ def replicated_with_step_job(rank: int, world_size: int, path: str) -> dict:
             out[save_number] = ("saved", planner.plan_reused)
         except CheckpointException as exc:
             out[save_number] = (type(rank_failure(exc)).__name__, str(rank_failure(exc)))
-    for option in ("check_replicas", "replica_locality"):  # an option on rank 0 only
-        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
-        state = {"n": distribute_tensor(torch.arange(6.0), mesh, [Replicate(), Replicate()])}
-        options = {"cache_plans": False, "check_replicas": False, option: rank == 0}
-        planner = ShardSavePlanner(**options)
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    state = {"n": distribute_tensor(torch.arange(6.0), mesh, [Replicate(), Replicate()])}
+    # an option on rank 0 only; with cached plans the digest exchange's coordinator sees it first
+    for option, cache in itertools.product(("check_replicas", "replica_locality"), (False, True)):
+        options = {"cache_plans": cache, "check_replicas": False, option: rank == 0}
         try:
-            dcp.save(state, storage_writer=ShardWriter(f"{path}_{option}"), planner=planner)
-            out[option] = "saved"
+            dcp.save(state, storage_writer=ShardWriter(f"{path}_{option}_{cache}"), planner=ShardSavePlanner(**options))
+            out[option, cache] = "saved"
         except CheckpointException as exc:
-            out[option] = str(rank_failure(exc))
+            out[option, cache] = str(rank_failure(exc))
     return out
 
 
@@ -402,6 +402,7 @@ def test_a_replicated_non_tensor_item_leaves_the_check_of_a_reused_plan_on(tmp_p
         assert result[0] == ("saved", False)
         kind, message = result[1]
         assert kind == "ReplicaMismatchError" and "'b'" in message and "cached plan" in message, message
-        for option in ("check_replicas", "replica_locality"):
-            assert result[option] == (f"ShardSavePlanner({option}=...) differs across ranks: ranks [0] pass {option}=True, "
-                                      f"ranks [1] False; pass the same planner options on every rank"), result[option]
+        for option, cache in itertools.product(("check_replicas", "replica_locality"), (False, True)):
+            assert result[option, cache] == (
+                f"ShardSavePlanner({option}=...) differs across ranks: ranks [0] pass {option}=True, "
+                f"ranks [1] False; pass the same planner options on every rank"), (option, cache, result[option, cache])
