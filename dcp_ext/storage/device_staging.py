@@ -7,11 +7,12 @@ A ``Request`` whose destination lives off the CPU (``Request.device``) hands the
 of a temporary on its device, for boxes that need a strided gather, a dtype cast or the
 record's conj/neg bits). ``DeviceStaging.read`` carves those spans into pieces of at most
 one staging buffer, reads the file into the buffer, queues the buffer's host-to-device
-copies (``non_blocking``, on a side stream of the device), records an event and takes the
-next buffer; a buffer goes back to the pool only once its event has completed. So a load
-holds at most ``count`` buffers of host memory, pinned for CUDA (``pin_memory=True``, from
-torch's caching host allocator, so a later load reuses the pinned pages), never a
-temporary per request, and a request of any size flows through them piece by piece.
+copies (``non_blocking``, all in one call, on a side stream of the device), records an
+event and takes the next buffer; a buffer goes back to the pool only once its event has
+completed. So a load holds at most ``count`` buffers of host memory, pinned for CUDA
+(``pin_memory=True``, from torch's caching host allocator, so a later load reuses the
+pinned pages), never a temporary per request, and a request of any size flows through
+them piece by piece.
 ``finish`` waits for every copy and every device operation the requests queued, so the
 destinations are complete when the executor returns.
 
@@ -50,29 +51,36 @@ class DeviceSpan:
     staging them (the two-stage exchange) copy through ``__setitem__``.
     """
 
-    __slots__ = ("base", "start", "nbytes", "tap")
+    __slots__ = ("base", "extent", "start", "nbytes", "tap")
 
     def __init__(
-        self, base: torch.Tensor, tap: Callable[[memoryview], None] | None = None, start: int = 0, nbytes: int | None = None
+        self,
+        base: torch.Tensor,
+        tap: Callable[[memoryview], None] | None = None,
+        start: int = 0,
+        nbytes: int | None = None,
+        extent: int | None = None,
     ):
         self.base = base
+        self.extent = base.numel() if extent is None else extent  # the base's bytes
         self.start = start
-        self.nbytes = base.numel() - start if nbytes is None else nbytes
+        self.nbytes = self.extent - start if nbytes is None else nbytes
         self.tap = tap
 
     @property
     def tensor(self) -> torch.Tensor:
-        return self.region(0, self.nbytes)
+        return self.bytes_at(self.start, self.nbytes)
 
-    def region(self, offset: int, nbytes: int) -> torch.Tensor:
-        """The span's bytes ``[offset, offset + nbytes)`` as a tensor."""
-        return self.base.narrow(0, self.start + offset, nbytes)
+    def bytes_at(self, start: int, nbytes: int) -> torch.Tensor:
+        """The base's bytes ``[start, start + nbytes)`` as a tensor (the whole base is the
+        base itself: no torch call, which a load of many small tensors makes per tensor)."""
+        return self.base if start == 0 and nbytes == self.extent else self.base.narrow(0, start, nbytes)
 
     def __getitem__(self, part: slice) -> DeviceSpan:
         first, stop, step = part.indices(self.nbytes)
         if step != 1:
             raise ValueError(f"a DeviceSpan is sliced with step 1, got {part}")
-        return DeviceSpan(self.base, None, self.start + first, max(0, stop - first))
+        return DeviceSpan(self.base, None, self.start + first, max(0, stop - first), self.extent)
 
     def __setitem__(self, part: slice, data: memoryview) -> None:
         if self.tap is not None:
@@ -282,8 +290,11 @@ class DeviceStaging:
         for piece in pieces:
             if piece.span.tap is not None:
                 piece.span.tap(host[piece.start : piece.start + piece.nbytes])
-        for dest, start, nbytes in _merged(pieces):
-            dest.copy_(buffer[start : start + nbytes], non_blocking=dest.device.type == "cuda")
+        copies = list(_merged(pieces))
+        if copies:  # one torch call for every copy out of the buffer: each call hands the GIL over
+            sizes = [nbytes for _, nbytes in copies]
+            sources = buffer.split_with_sizes([*sizes, self.pool.buffer_bytes - sum(sizes)])
+            torch._foreach_copy_([dest for dest, _ in copies], sources[: len(copies)], non_blocking=True)
         events = []
         for stream in self.streams.values():
             event = torch.cuda.Event()
@@ -299,18 +310,19 @@ class DeviceStaging:
             stream.synchronize()
 
 
-def _merged(pieces: list[_Piece]) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """(device bytes, buffer start, length) of the copies: pieces adjacent both in the
-    buffer and in one span's tensor (runs of one contiguous destination) become one copy."""
+def _merged(pieces: list[_Piece]) -> Iterator[tuple[torch.Tensor, int]]:
+    """(device bytes, length) of the copies, in buffer order (the pieces fill the buffer from
+    its start, one after another): pieces adjacent in one span's tensor (runs of one
+    contiguous destination) become one copy."""
     if not pieces:
         return
     first = pieces[0]
-    base, place, start, nbytes = first.span.base, first.span.start + first.offset, first.start, first.nbytes
+    span, place, nbytes = first.span, first.span.start + first.offset, first.nbytes
     for piece in pieces[1:]:
         piece_place = piece.span.start + piece.offset
-        if piece.span.base is base and piece.start == start + nbytes and piece_place == place + nbytes:
+        if piece.span.base is span.base and piece_place == place + nbytes:
             nbytes += piece.nbytes
             continue
-        yield base.narrow(0, place, nbytes), start, nbytes
-        base, place, start, nbytes = piece.span.base, piece_place, piece.start, piece.nbytes
-    yield base.narrow(0, place, nbytes), start, nbytes
+        yield span.bytes_at(place, nbytes), nbytes
+        span, place, nbytes = piece.span, piece_place, piece.nbytes
+    yield span.bytes_at(place, nbytes), nbytes

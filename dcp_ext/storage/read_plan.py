@@ -73,9 +73,10 @@ def storage_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
     """Writable bytes of a tensor's whole storage (index with byte offsets): a memoryview
     of host memory, or a DeviceSpan when the bytes go through host staging."""
     storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device if staged else None)
-    flat.set_(storage, 0, (storage.nbytes(),), (1,))
-    return DeviceSpan(flat) if staged else memoryview(flat.numpy()).cast("B")
+    flat.set_(storage, 0, (nbytes,), (1,))
+    return DeviceSpan(flat, extent=nbytes) if staged else memoryview(flat.numpy()).cast("B")
 
 
 def tensor_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:

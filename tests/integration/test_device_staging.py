@@ -94,6 +94,34 @@ def test_many_requests_and_threads_share_a_small_pool(tmp_path, buffers, threads
     _assert_pool_bounded(executor, buffers)
 
 
+def test_a_buffer_leaves_for_the_device_in_one_copy_call(tmp_path, monkeypatch):
+    """Every copy out of a filled buffer goes in one ``_foreach_copy_`` call: each torch call a
+    reading thread makes hands the GIL over, and a buffer holds hundreds of small tensors.
+    Whole tensors are copied to without a view being made of them."""
+    g = torch.Generator().manual_seed(5)
+    sources = [torch.randn(n % 7 + 1, 16, generator=g) for n in range(40)]  # 64-448 B each
+    dests = [garbage(tuple(s.shape)) for s in sources]
+    requests = []
+    for (item, layout), source, dest in zip(write_records(tmp_path, sources), sources, dests):
+        requests += tensor_requests(item, layout, (0, 0), tuple(source.shape), dest, "k", "w", verify=False, staged=True)
+    calls: list[list[torch.Tensor]] = []
+    copy_all = torch._foreach_copy_
+
+    def counted(dests_, sources_, **kwargs):
+        calls.append(list(dests_))
+        return copy_all(dests_, sources_, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    _run(tmp_path, requests, buffers=1, buffer_bytes=4096, threads=1)
+    for source, dest in zip(sources, dests):
+        assert torch.equal(dest, source)
+    staged = sum(s.nbytes for s in sources)
+    assert len(calls) == -(-staged // 4096)  # one call per buffer's worth, not one per tensor
+    targets = {t.untyped_storage().data_ptr() for t in dests}
+    assert sum(len(c) for c in calls) < len(sources) + len(calls)  # a tensor is cut only at a buffer's end
+    assert all(t.untyped_storage().data_ptr() in targets for c in calls for t in c)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -206,6 +234,7 @@ def test_span_slices_are_byte_ranges_of_their_tensor():
     inner[1:3] = memoryview(bytearray(b"\x07\x08"))
     assert base.tolist() == [0] * 6 + [7, 8] + [0] * 8
     assert inner.tensor.data_ptr() == base[5:13].data_ptr()
+    assert DeviceSpan(base)[0:16].tensor is base  # the whole base: no view made
     with pytest.raises(ValueError, match="step 1"):
         inner[::2]
 
