@@ -133,6 +133,8 @@ def _report_table(kind: str, reports: list[dict], columns: tuple[str, ...]) -> l
 def _prepare_workdir(root: Path) -> None:
     """Refuse a workdir that already holds a checkpoint rather than overwrite it."""
     ckpt = root / CHECKPOINT_DIR
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"{root}: is a file; --workdir takes a directory")
     if ckpt.exists() and any(ckpt.iterdir()):
         raise FileExistsError(f"{ckpt} is not empty; choose another --workdir")
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import os
 import signal
@@ -70,16 +71,19 @@ class _Output:
     """``sys.stdout`` while a command runs: a write that fails (``> /dev/full``, a full
     disk) is reported as the output's failure, not as one of the checkpoint's."""
 
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: TextIO | None):
         self._stream = stream
 
     def write(self, text: str) -> int:
         with self._errors():
+            if self._stream is None:  # Python found no stdout: descriptor 1 was closed (``>&-``)
+                raise OSError(errno.EBADF, "it is closed")
             return self._stream.write(text)
 
     def flush(self) -> None:
         with self._errors():
-            self._stream.flush()
+            if self._stream is not None:
+                self._stream.flush()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -102,8 +106,9 @@ def run() -> None:
     what it had written before ``main`` returned."""
     code = main()
     if code == INTERRUPTED:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
         os._exit(code)
     sys.exit(code)
 

@@ -173,7 +173,7 @@ def _select(
             continue
         if key == METADATA_KEY:
             raise InvalidRequestError(f"{url}: key {key!r}: safetensors reserves this name for its header's string map; "
-                                      "exclude it (exclude='^__metadata__$') or rename it")
+                                      "exclude it (exclude='^__metadata__$'; dcp-ext convert --exclude) or rename it")
         source = md.properties.dtype
         target = dtype if dtype is not None and source.is_floating_point else source
         if not _casts(source, target):

@@ -20,7 +20,6 @@ import pickle
 import pickletools
 import re
 import zipfile
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -125,7 +124,9 @@ def _storage_entries(stream: Any, where: str) -> list[_Entry]:
                     f"{where}: its byteorder record says {shown(text.decode(errors='replace'))}; this reader reads "
                     "little-endian files only"
                 )
-    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError) as exc:
+    except CheckpointError:
+        raise
+    except Exception as exc:  # untrusted bytes: whatever zipfile trips over (names, versions, offsets)
         raise CorruptCheckpointError(f"{where}: not a readable torch.save archive ({type(exc).__name__}: {exc})") from None
     finally:
         if opened is not stream:

@@ -336,6 +336,7 @@ def _record_errors(where: str) -> Iterator[None]:
     except (
         KeyError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, struct.error,
         NotImplementedError,  # zipfile: an entry claims a zip version or feature it does not read
+        OverflowError,  # an offset beyond what a seek takes
     ) as exc:
         raise CorruptCheckpointError(f"{where}: not a readable torch.save tensor record ({exc})") from None
 
@@ -551,12 +552,12 @@ def archive_crc_fault(record: bytes | bytearray) -> tuple[bool, str | None]:
     tensors and other objects alike), and why its bytes fail them (the first failing
     entry, or an archive that cannot be read), or None."""
     data = io.BytesIO(record)
-    if not zipfile.is_zipfile(data):
-        return False, None
     try:
+        if not zipfile.is_zipfile(data):  # it raises on some damaged end records
+            return False, None
         bad = zipfile.ZipFile(data).testzip()
-    except (zipfile.BadZipFile, zlib.error) as exc:
-        return True, f"unreadable torch.save archive ({exc})"
+    except Exception as exc:  # untrusted bytes: whatever zipfile trips over (names, versions, offsets)
+        return True, f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
     return True, None if bad is None else f"crc32 mismatch in record entry {bad!r}"
 
 

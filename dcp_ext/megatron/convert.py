@@ -38,10 +38,11 @@ def _check_destination(source: Location, target: Location, overwrite: bool) -> N
     if target.is_local and os.path.isfile(target.root):
         raise InvalidRequestError(f"{target.url}: is a file; the destination must be a directory")
     held = held_format(target)
-    if held not in (None, "dcp") and not overwrite:  # a DCP one the writer refuses; another would be hidden behind ours
+    if held is not None and not overwrite:  # refused here, not by the writer, to name the flag too
+        then = "to replace it" if held == "dcp" else "to write ours beside it (readers of our format then see ours)"
         raise CheckpointExistsError(
             f"{target.url}: holds a {held} checkpoint; convert into another directory, or pass overwrite=True "
-            "(dcp-ext convert --overwrite) to write ours beside it (readers of our format then see ours)"
+            f"(dcp-ext convert --overwrite) {then}"
         )
 
 

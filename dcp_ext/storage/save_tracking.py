@@ -19,6 +19,11 @@ point, or the thread that ran it leaves ``dcp.save``. This module watches the se
   staged by another stager) takes its turn when it reaches the writer. Each turn has a
   number among the saves on its process group, which the ranks compare in the plan exchange
   (``ShardWriter``).
+* ``DIRECTORY_SAVES``: one save at a time into a directory in this process, whichever
+  writer runs it. A save through a second writer (a new ``ShardWriter(path)`` per save)
+  waits where it is set up, before its first collective, until the save already running
+  into that directory has left ``dcp.save``; its turn among its own writer's saves, and so
+  the number the ranks compare, stays its writer's.
 * ``OPEN_SAVES``: saves a coordinator planned but has not committed, process-wide. Once
   the thread that ran one has left ``dcp.save`` it failed; the next save (through any
   writer) or ``ShardWriter.close()`` removes its files from its directory, including
@@ -27,6 +32,7 @@ point, or the thread that ran it leaves ``dcp.save``. This module watches the se
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -229,6 +235,59 @@ class SaveSlot:
                 return False
             self._holder = self._waiting.pop(0)
             return True
+
+
+class DirectorySaves:
+    """The save running into each directory in this process (see the module docstring).
+    Without it, an async save and a save through another writer into the same directory
+    ran at once: each took the other's files for a dead save's and removed them, both
+    reported success, and every checkpoint there was lost.
+
+    A save is known by its thread. It is over once that thread has left ``dcp.save``, or
+    is starting another save (``starting``: a thread runs one save at a time, and one that
+    waits at the start of its next save, for a turn or a directory, must not be waited for).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, threading.Thread] = {}
+        self._starting: collections.Counter[int] = collections.Counter()  # threads in ``starting``
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """The calling thread is at the start of a save inside."""
+        me = threading.get_ident()
+        with self._lock:
+            self._starting[me] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting[me] -= 1
+                if not self._starting[me]:
+                    del self._starting[me]
+
+    def enter(self, location: Location) -> None:
+        """Wait until no other save runs into ``location``, then run the caller's there."""
+        me = threading.current_thread()
+        key = location.cache_key()
+        with self.starting():
+            while True:
+                with self._lock:
+                    if self._over(self._running.get(key, me)):
+                        self._running = {k: thread for k, thread in self._running.items() if not self._over(thread)}
+                        self._running[key] = me
+                        return
+                time.sleep(POLL_SECONDS)
+
+    def _over(self, thread: threading.Thread) -> bool:
+        """Whether ``thread``'s registered save is over (under the lock)."""
+        if thread is threading.current_thread() or thread.ident in self._starting:
+            return True
+        return not (thread.is_alive() and thread_in_save(thread.ident))
+
+
+DIRECTORY_SAVES = DirectorySaves()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,15 @@ from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.piece_digests import check_piece_digests, split_piece_digests, with_piece_digests
 from dcp_ext.storage.save_tracking import (
-    OPEN_SAVES, OpenSave, SaveOrder, SaveSlot, check_same_save, discard_on_failure, thread_in_save, uploads_on_a_thread,
+    DIRECTORY_SAVES,
+    OPEN_SAVES,
+    OpenSave,
+    SaveOrder,
+    SaveSlot,
+    check_same_save,
+    discard_on_failure,
+    thread_in_save,
+    uploads_on_a_thread,
 )
 from dcp_ext.storage.staging import AsyncStagingMixin
 from dcp_ext.storage.writeback import early_writeback
@@ -155,6 +163,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._begin_save(set_up=True)
+        if thread_in_save(threading.get_ident()):  # where it writes is known from here on
+            DIRECTORY_SAVES.enter(self.location)
         self.clock = PhaseClock(SAVE_PHASES)  # a save starts here on every rank
         self.written = []
         self.is_coordinator = is_coordinator
@@ -292,9 +302,10 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
     def _begin_save(self, set_up: bool) -> None:
         """Where a save begins on its thread: report a failed async save, wait for its turn,
         then take a new save id (the commit marker's, never reused)."""
-        self.finish_async_save_first()
-        self.check_staged_here()
-        number = self.slot.enter(set_up)
+        with DIRECTORY_SAVES.starting():  # the thread's earlier saves are over, whatever it waits for here
+            self.finish_async_save_first()
+            self.check_staged_here()
+            number = self.slot.enter(set_up)
         if number is not None:  # None: a later begin call of the same save
             self.save_number = number
             self.save_id = uuid.uuid4().hex

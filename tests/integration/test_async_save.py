@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dcp_ext import CheckpointError, InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.data_files import is_data_file
+from dcp_ext.storage.verify import verify_checkpoint
 
 from mp import run_job
 from support import (
@@ -779,6 +780,29 @@ def test_a_plain_save_after_an_unawaited_async_one_runs_after_it(tmp_path):
     future.result(timeout=60)
     assert_state_dict_equal(load(sample_state(3), tmp_path)[0], sample_state(3))  # call order: the async one first
     writer.close()
+
+
+@pytest.mark.timeout(120)
+def test_saves_into_one_directory_through_two_writers_run_one_at_a_time(tmp_path):
+    """An async save through one writer, then a plain save through a new writer for the same
+    directory (a ``ShardWriter(path)`` per save): the second waits until the first has left
+    ``dcp.save``. They ran at once, each removing the other's files as a dead save's: both
+    reported success while the directory lost every checkpoint (found by the crash sweep,
+    3 times in 40 tries)."""
+    ended: dict[str, float] = {}
+
+    def slow_report(report) -> None:  # runs inside the first save's dcp.save, after its commit
+        time.sleep(0.5)
+        ended["first"] = time.monotonic()
+
+    first = dcp.async_save(sample_state(1), storage_writer=ShardWriter(tmp_path, on_report=slow_report),
+                           planner=ShardSavePlanner())
+    second = ShardWriter(tmp_path, on_report=lambda report: ended.setdefault("second", time.monotonic()))
+    dcp.save(sample_state(2), storage_writer=second, planner=ShardSavePlanner())
+    first.result(timeout=60)
+    assert ended["second"] > ended["first"]
+    assert_state_dict_equal(load(sample_state(2), tmp_path)[0], sample_state(2))  # call order: the plain one last
+    assert verify_checkpoint(str(tmp_path)).ok
 
 
 EXIT_WITHOUT_WAITING = """

@@ -221,7 +221,8 @@ def test_convert_refuses_an_existing_checkpoint_unless_overwrite(tmp_path, capsy
     save(sample_state(1), src)
     save(sample_state(2), dst)
     assert main(["convert", str(src), str(dst)]) == 2
-    assert "Checkpoint already exists" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the flag named, as every CLI refusal does (it said overwrite=False)
+    assert "holds a dcp checkpoint" in err and "(dcp-ext convert --overwrite) to replace it" in err, err
     assert main(["convert", str(src), str(dst), "--overwrite"]) == 0
     assert main(["verify", str(dst)]) == 0
     want = sample_state(1)
@@ -244,6 +245,32 @@ def test_convert_refuses_a_directory_holding_another_format_unless_overwrite(tmp
     assert main(["convert", str(src), str(dst), "--overwrite"]) == 0
     want = sample_state(1)
     assert_state_dict_equal(load(want, dst)[0], want)
+
+
+@pytest.mark.mp
+def test_ctrl_c_while_the_command_starts_ends_in_one_line(tmp_path):
+    """Ctrl-C in the first seconds, while torch still loads: the console script printed an
+    import traceback ending in KeyboardInterrupt and died of the signal (found by the CLI
+    sweep). Its entry point now sits outside the package and handles the signal first."""
+    save(sample_state(1), tmp_path)
+    script = os.path.join(os.path.dirname(sys.executable), "dcp-ext")  # what pip installed, as users run it
+    process = subprocess.Popen([script, "inspect", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    time.sleep(0.5)  # the interpreter is up; importing torch takes longer
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert (process.returncode, err, out) == (130, "error: interrupted\n", "")
+
+
+@pytest.mark.mp
+def test_a_closed_stdout_is_an_output_error(tmp_path):
+    """``dcp-ext inspect ... >&-``: Python has no ``sys.stdout`` then, and the first write
+    raised AttributeError as a traceback (found by the CLI sweep)."""
+    save(sample_state(1), tmp_path)
+    done = subprocess.run([sys.executable, "-m", "dcp_ext.cli.main", "inspect", str(tmp_path)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=300, pass_fds=(), close_fds=True,
+                          preexec_fn=lambda: os.close(1))
+    assert (done.returncode, done.stderr) == (2, "error: cannot write the output to stdout (it is closed)\n")
 
 
 @pytest.mark.mp

@@ -264,6 +264,37 @@ def test_a_stock_non_tensor_item_whose_value_changed_is_caught_by_its_zip_crc(tm
     assert any("'step'" in fault and "crc32 mismatch" in fault for fault in report.faults), report.faults
 
 
+def test_damaged_zip_structures_of_stock_records_are_faults_not_tracebacks(tmp_path):
+    """Every byte of a stock record's local header and of its archive's end (central
+    directory, zip64 end records) flipped in turn: ``verify`` reports a fault or OK, and a
+    load fails with a ``CheckpointError`` or loads. zipfile raised UnicodeDecodeError (a
+    damaged entry name), NotImplementedError (a zip version), ValueError (a negative seek),
+    OverflowError and BadZipFile (from ``is_zipfile`` itself) through ``dcp-ext verify`` as
+    tracebacks (found by the CLI sweep)."""
+    dcp.save({"w": torch.arange(64.0), "step": 7}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    reader = ShardReader(tmp_path, cache_metadata=False)
+    reader.read_metadata()
+    pristine = {}
+    for key in ("step", "w"):
+        item = reader.catalog.item(next(i for i in reader.catalog.items if i.fqn == key))
+        pristine[key] = item
+    path = tmp_path / pristine["w"].relative_path
+    original = path.read_bytes()
+    for key, item in pristine.items():
+        start, end = item.offset, item.offset + item.length
+        for at in [*range(start, start + 64), *range(end - 160, end)]:
+            data = bytearray(original)
+            data[at] ^= 0xFF
+            path.write_bytes(data)
+            verify_checkpoint(str(tmp_path))  # a report either way, never an exception
+            for verify in (False, True):
+                try:
+                    load({"w": torch.zeros(64), "step": 0}, tmp_path, verify_checksums=verify)
+                except CheckpointException as exc:
+                    assert all(isinstance(error, CheckpointError) for error, *_ in exc.failures.values()), (key, at, exc)
+    path.write_bytes(original)
+
+
 @pytest.mark.parametrize("writer", ["ours", "stock"])
 def test_a_damaged_non_tensor_item_is_a_checkpoint_error_naming_it(tmp_path, writer):
     """A bytes item is read and decoded whole: ours is checked against its CRC32C on every
