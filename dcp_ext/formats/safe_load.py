@@ -84,7 +84,10 @@ def _torch_load(source: Any, stream: Any, where: str, device: str, mmap: bool) -
             return torch.load(stream, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         detail = ", ".join(refused_globals(source)) or _torch_reason(exc)
-        raise UnsafeCheckpointError(f"{where}: refuses to unpickle {detail} ({ALLOWED_TEXT})") from None
+        raise UnsafeCheckpointError(  # torch.load takes the classes registered with it too
+            f"{where}: refuses to unpickle {detail} ({ALLOWED_TEXT}); "
+            "register classes you trust with torch.serialization.add_safe_globals"
+        ) from None
     except Exception as exc:  # untrusted bytes: whatever torch.load trips over (IndexError, KeyError, struct.error...)
         raise CorruptCheckpointError(f"{where}: not a readable torch.save stream ({type(exc).__name__}: {exc})") from None
 
@@ -220,16 +223,13 @@ def stored_at(tensor: torch.Tensor, where: str) -> int:
     return offset
 
 
-TRUST_HINT = "register classes you trust with torch.serialization.add_safe_globals"
-
-
 def safe_load_bytes(data: bytes, where: str, opt_out: str) -> Any:
     """Decode a DCP bytes item with ``safe_torch_load``; a refusal says how to trust it
     (``opt_out``: the switch of the caller, e.g. ``ShardReader(allow_unsafe_bytes=True)``)."""
     try:
         return safe_torch_load(data, where)
     except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"{exc}; {TRUST_HINT}, or pass {opt_out} for a checkpoint you trust") from None
+        raise UnsafeCheckpointError(f"{exc}, or pass {opt_out} for a checkpoint you trust") from None
 
 
 def refused_globals(source: str | os.PathLike[str] | bytes) -> list[str]:

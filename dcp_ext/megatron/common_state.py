@@ -7,14 +7,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError
 from dcp_ext.formats.data_files import is_data_file
 from dcp_ext.formats.faults import file_too_short
 from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.megatron.detect import detect_format
 from dcp_ext.megatron.legacy import LegacyCheckpoint
-from dcp_ext.formats.safe_load import TRUST_HINT, safe_torch_load
+from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.megatron.torch_dist import COMMON_PT, SAVE_OPTIONS, check_complete, common_state_key, is_megatron_catalog
 from dcp_ext.storage.catalog import read_catalog
 from dcp_ext.storage.catalog_formats import FORMATS, check_options_apply
@@ -36,13 +36,8 @@ def load_common_state(
     it refuses (Megatron-LM keeps megatron-core enums in ``args``) loads once registered
     with ``torch.serialization.add_safe_globals``, as the refusal says.
     """
-    try:
-        return _load_common_state(Location(path, storage_options), options or MegatronOptions())
-    except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"{exc}; {TRUST_HINT}") from None
-
-
-def _load_common_state(location: Location, options: MegatronOptions) -> dict[str, Any]:
+    location = Location(path, storage_options)
+    options = options or MegatronOptions()
     kind = detect_format(location)
     if kind == "legacy":
         check_options_apply(location, options, FORMATS["legacy"].option_names, "legacy")

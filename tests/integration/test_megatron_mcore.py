@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import shutil
 
 import pytest
@@ -25,7 +27,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader
+from dcp_ext import CheckpointError, ShardLoadPlanner, ShardReader, UnsafeCheckpointError
 from dcp_ext.cli.main import main as cli
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.megatron import load_common_state
@@ -171,6 +173,18 @@ def test_common_state_object_without_common_pt():
     _, info = expected("mcore019_tp2_dp2_ep2")
     assert not (ckpt / "common.pt").exists() and "common_state/shard_0_1" in info["objects"]
     assert as_json(load_common_state(ckpt)) == info["common"]
+
+
+def test_a_refused_metadata_pickle_gives_no_add_safe_globals_advice(tmp_path):
+    """``add_safe_globals`` lets ``torch.load`` take a class, not the ``.metadata`` reader:
+    only refusals of torch.save streams (``common.pt``, the ``common_state`` object, legacy
+    rank files) say to register it. ``load_common_state`` gave that advice for any refusal."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(MEGATRON_FIXTURES / "mcore019_tp2_dp2_ep2", ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(os.system))
+    with pytest.raises(UnsafeCheckpointError) as err:
+        load_common_state(ckpt)
+    assert ".metadata" in str(err.value) and "add_safe_globals" not in str(err.value), err.value
 
 
 def test_converted_common_state_object_is_no_megatron_save(tmp_path):
