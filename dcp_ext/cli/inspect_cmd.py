@@ -9,6 +9,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from dcp_ext.cli.terminal import for_cell
 from dcp_ext.formats.data_files import saving_rank
 from dcp_ext.formats.index import dtype_name
 from dcp_ext.megatron.base import MegatronOptions
@@ -106,8 +107,8 @@ def main(args: argparse.Namespace) -> int:
     rows = [("key", "dtype", "shape", "chunks", "bytes", "files")]
     for k in info["keys"]:
         shape = "x".join(map(str, k["shape"])) if k["shape"] is not None else "-"
-        rows.append((k["key"], k["dtype"] or "bytes", shape or "scalar", str(k["chunks"]), str(k["bytes"]),
-                     ",".join(k["files"]) if len(k["files"]) <= 2 else f"{len(k['files'])} files"))
+        rows.append((for_cell(k["key"]), k["dtype"] or "bytes", shape or "scalar", str(k["chunks"]), str(k["bytes"]),
+                     for_cell(",".join(k["files"])) if len(k["files"]) <= 2 else f"{len(k['files'])} files"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -121,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
 def _print_stats(stats: dict[str, Any]) -> None:
     print("\nper data file: items, bytes")
     for name, entry in stats["files"].items():
-        print(f"  {name}  {entry['items']}  {entry['bytes']}")
+        print(f"  {for_cell(name)}  {entry['items']}  {entry['bytes']}")
     per_rank = stats["bytes_per_rank"]
     print("\nbytes per saving rank: " + ", ".join(f"{rank}: {n}" for rank, n in per_rank.items()))
     if per_rank:
@@ -130,4 +131,4 @@ def _print_stats(stats: dict[str, Any]) -> None:
     print(f"TP-replica copies: {stats['replica_copies']} ({stats['replica_bytes']} bytes)")
     print("largest tensors:")
     for k in stats["largest"]:
-        print(f"  {k['key']}  {k['dtype']}  {'x'.join(map(str, k['shape']))}  {k['bytes']} bytes")
+        print(f"  {for_cell(k['key'])}  {k['dtype']}  {'x'.join(map(str, k['shape']))}  {k['bytes']} bytes")

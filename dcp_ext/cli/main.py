@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dcp_ext.cli.terminal import for_terminal
 from dcp_ext.errors import CheckpointError, rank_failure
 
 _COMMANDS = {
@@ -59,17 +60,18 @@ def main(argv: list[str] | None = None) -> int:
             return INTERRUPTED
         if not isinstance(error, (CheckpointError, OSError)):
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(for_terminal(f"error: {error}"), file=sys.stderr)
     except (CheckpointError, OSError) as exc:  # bad input or a storage fault (an object store's too); both name the path
-        print(f"error: {exc}", file=sys.stderr)
+        print(for_terminal(f"error: {exc}"), file=sys.stderr)
     finally:
         sys.stdout = stdout
     return 2
 
 
 class _Output:
-    """``sys.stdout`` while a command runs: a write that fails (``> /dev/full``, a full
-    disk) is reported as the output's failure, not as one of the checkpoint's."""
+    """``sys.stdout`` while a command runs: control characters from the checkpoint are
+    shown escaped (``terminal``), and a write that fails (``> /dev/full``, a full disk) is
+    reported as the output's failure, not as one of the checkpoint's."""
 
     def __init__(self, stream: TextIO | None):
         self._stream = stream
@@ -78,7 +80,7 @@ class _Output:
         with self._errors():
             if self._stream is None:  # Python found no stdout: descriptor 1 was closed (``>&-``)
                 raise OSError(errno.EBADF, "it is closed")
-            return self._stream.write(text)
+            return self._stream.write(for_terminal(text))
 
     def flush(self) -> None:
         with self._errors():

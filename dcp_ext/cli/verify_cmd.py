@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from dcp_ext.cli.progress import ProgressBar
+from dcp_ext.cli.terminal import for_cell
 from dcp_ext.storage.verify import verify_checkpoint
 
 
@@ -23,8 +24,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
         return 0 if report.ok else 1
     for fault in report.faults:
-        print(f"FAULT {fault}")
-    for name in report.unreferenced_files:
+        print(f"FAULT {for_cell(fault)}")  # one line each
+    for name in map(for_cell, report.unreferenced_files):
         if name.endswith(".safetensors"):
             print(f"note: {name} is not in the index: ShardReader never reads it, but stock HuggingFaceStorageReader "
                   "reads every *.safetensors file of the directory")

@@ -380,3 +380,31 @@ def test_convert_copies_refused_items_only_when_told(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "copy"), "--allow-unsafe-bytes"]) == 0
     assert not (tmp_path / "ran").exists()
     assert (tmp_path / "copy" / ".metadata").exists()
+
+
+@pytest.mark.mp
+def test_checkpoint_text_reaches_the_terminal_escaped(tmp_path):
+    """Keys are the checkpoint author's strings: a newline in one broke the inspect table
+    and the verify report's one line per fault, and an escape sequence (here: clear the
+    screen) reached the terminal as it was."""
+    hostile = "\x1b[2J\x1b[Hwiped\nrow"
+    save({hostile: torch.arange(1000.0), "tab\tkey": torch.ones(3), "cr\rkey": 7}, tmp_path, thread_count=1)
+    table = dcp_ext_cli("inspect", str(tmp_path))
+    assert table.returncode == 0, table.stderr
+    assert not any(c in table.stdout for c in "\x1b\r\t")
+    rows = table.stdout.split("\n\n")[0].splitlines()
+    assert [row.split()[0] for row in rows[1:]] == [r"\x1b[2J\x1b[Hwiped\nrow", r"tab\tkey", r"cr\rkey"]
+
+    data_file = next(p for p in tmp_path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF  # inside the hostile key's payload
+    data_file.write_bytes(bytes(raw))
+    result = dcp_ext_cli("verify", str(tmp_path))
+    assert result.returncode == 1 and "\x1b" not in result.stdout
+    faults = [line for line in result.stdout.splitlines() if line.startswith("FAULT")]
+    assert len(faults) == 1 and r"\x1b[2J\x1b[Hwiped\nrow" in faults[0], result.stdout
+
+    missing = dcp_ext_cli("inspect", str(tmp_path / "gone\x1b[31m"))
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines() == [f"error: {tmp_path}/gone\\x1b[31m: no committed checkpoint here "
+                                           "(no such directory, or it is empty)"]
