@@ -72,7 +72,8 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
     ``tp_dim`` (default ``"tp"``) are also written once per TP rank, into that rank's own
     file, so each rank later loads them from its own file (``dcp_ext.planning.locality``).
     A state dict with no DTensor on a mesh with that dim name is an error, as is
-    ``tp_dim`` without ``replica_locality``: neither could take effect.
+    ``tp_dim`` without ``replica_locality``: neither could take effect. Locality needs the
+    replica check: copies that may differ would load per reader.
 
     ``cache_plans=True``: the coordinator reuses the global plan of an earlier save whose
     every local plan was identical (``dcp_ext.planning.plan_cache``); DCP's
@@ -123,6 +124,14 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise InvalidRequestError(f"ShardSavePlanner(group=...) must be a torch.distributed ProcessGroup or None, got {group!r}")
         super().__init__(*args, **kwargs)
+        if replica_locality and not self.check_replicas:
+            raise InvalidRequestError(
+                "ShardSavePlanner(replica_locality=True, check_replicas=False): locality stores a TP-replicated tensor "
+                "once per TP rank and each rank loads its own copy back, while other readers and layouts load one "
+                "copy for all; unchecked copies may differ (check_replicas=False is for ranks that hold different "
+                "values under one key), and a rank's value would depend on the reader. Keep check_replicas=True, "
+                "or leave replica_locality off"
+            )
         self.replica_locality = replica_locality
         self.tp_dim = tp_dim or "tp"
         self.cache_plans = cache_plans

@@ -189,6 +189,18 @@ def test_tp_dim_without_replica_locality_is_an_error():
         ShardSavePlanner(tp_dim="model")
 
 
+def test_replica_locality_without_the_replica_check_is_an_error():
+    """Unchecked TP replicas may differ (per-rank statistics): with locality the plain
+    reader gave each rank its own copy back, two-stage and stock readers the canonical
+    one, so the value loaded depended on the reader."""
+    from dcp_ext import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"replica_locality=True, check_replicas=False\): .* depend on the reader"):
+        ShardSavePlanner(replica_locality=True, check_replicas=False)
+    assert not ShardSavePlanner(check_replicas=False).check_replicas  # each alone stays allowed
+    assert ShardSavePlanner(replica_locality=True).replica_locality
+
+
 def _locality_with_other_writer(rank: int, world: int, path: str, writer: str) -> str:
     storage = dcp.FileSystemWriter(path) if writer == "stock" else HuggingFaceStorageWriter(path)
     try:
