@@ -20,10 +20,13 @@ point, or the thread that ran it leaves ``dcp.save``. This module watches the se
   number among the saves on its process group, which the ranks compare in the plan exchange
   (``ShardWriter``).
 * ``DIRECTORY_SAVES``: one save at a time into a directory in this process, whichever
-  writer runs it. A save through a second writer (a new ``ShardWriter(path)`` per save)
-  waits where it is set up, before its first collective, until the save already running
-  into that directory has left ``dcp.save``; its turn among its own writer's saves, and so
-  the number the ranks compare, stays its writer's.
+  writer runs it, in call order. A save through a second writer (a new
+  ``ShardWriter(path)`` per save) waits where it is set up, before its first collective,
+  until the saves called before it into that directory have left ``dcp.save``: an async
+  save its writer staged holds its place from the call (its writer's turn, ``reserve``),
+  so a plain save called after it runs after it even when it gets to the directory first.
+  Its turn among its own writer's saves, and so the number the ranks compare, stays its
+  writer's.
 * ``OPEN_SAVES``: saves a coordinator planned but has not committed, process-wide. Once
   the thread that ran one has left ``dcp.save`` it failed; the next save (through any
   writer) or ``ShardWriter.close()`` removes its files from its directory, including
@@ -139,6 +142,13 @@ def uploads_on_a_thread() -> bool:
     )
 
 
+def async_save_target() -> object:
+    """The ``checkpoint_id`` given to the caller's ``dcp.async_save`` (None: none given, the
+    writer's own directory)."""
+    frame = next(_own_frames(frozenset([_ASYNC_SAVE_CODE])), None)
+    return None if frame is None else frame.f_locals.get("checkpoint_id")
+
+
 @dataclasses.dataclass(eq=False)
 class Turn:
     """One save's place in a writer's order."""
@@ -148,6 +158,7 @@ class Turn:
     thread: threading.Thread | None = None  # the thread running the save, once it came
     set_up: bool = False  # the save passed its last begin call: the thread's next one is a new save
     ended: bool = False  # its thread began a later save: inside dcp.save again, but not in this one
+    admitted: bool = False  # its directory let it in (``DirectorySaves``)
     issued: float = dataclasses.field(default_factory=time.monotonic)
 
     def over(self) -> bool:
@@ -171,10 +182,12 @@ class SaveSlot:
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return SaveSlot, ()  # a pickled writer (process executor) starts with a free slot
 
-    def issue(self, staged: object) -> None:
+    def issue(self, staged: object) -> Turn:
         """Give the save whose state dict was just staged, on the caller's thread, the next turn."""
         with self._lock:
-            self._waiting.append(Turn(self._next_number(), staged=staged))
+            turn = Turn(self._next_number(), staged=staged)
+            self._waiting.append(turn)
+        return turn
 
     def _next_number(self) -> int:
         """The caller's save's number among the saves on its group (under the lock)."""
@@ -238,20 +251,29 @@ class SaveSlot:
 
 
 class DirectorySaves:
-    """The save running into each directory in this process (see the module docstring).
-    Without it, an async save and a save through another writer into the same directory
-    ran at once: each took the other's files for a dead save's and removed them, both
-    reported success, and every checkpoint there was lost.
+    """The saves into each directory in this process, in call order (see the module
+    docstring). Without it, an async save and a save through another writer into the same
+    directory ran at once: each took the other's files for a dead save's and removed them,
+    both reported success, and every checkpoint there was lost. Without the async save's
+    place held from its call, the plain save called after it could run first, and the
+    directory ended with the older state.
 
-    A save is known by its thread. It is over once that thread has left ``dcp.save``, or
+    Each directory has a queue of ``Turn``s: the first one runs, the others wait. A save is
+    known by its thread. One it lets in is over once that thread has left ``dcp.save``, or
     is starting another save (``starting``: a thread runs one save at a time, and one that
     waits at the start of its next save, for a turn or a directory, must not be waited for).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: dict[str, threading.Thread] = {}
+        self._queues: dict[str, list[Turn]] = {}
         self._starting: collections.Counter[int] = collections.Counter()  # threads in ``starting``
+
+    def reserve(self, location: Location, turn: Turn) -> None:
+        """Hold the place of an async save in ``location`` from its call, on the caller's
+        thread: ``turn`` is its writer's, which its upload thread claims (``SaveSlot``)."""
+        with self._lock:
+            self._queues.setdefault(location.cache_key(), []).append(turn)
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
@@ -268,23 +290,33 @@ class DirectorySaves:
                     del self._starting[me]
 
     def enter(self, location: Location) -> None:
-        """Wait until no other save runs into ``location``, then run the caller's there."""
+        """Wait until the saves before the caller's into ``location`` are over, then run it there."""
         me = threading.current_thread()
         key = location.cache_key()
         with self.starting():
+            with self._lock:
+                self._queues = {k: queue for k, queue in self._queues.items() if not all(map(self._over, queue))}
+                queue = self._queues.setdefault(key, [])
+                mine = next((turn for turn in queue if turn.thread is me and not turn.admitted), None)  # reserved
+                if mine is None:
+                    mine = Turn(-1, thread=me)
+                    queue.append(mine)
             while True:
                 with self._lock:
-                    if self._over(self._running.get(key, me)):
-                        self._running = {k: thread for k, thread in self._running.items() if not self._over(thread)}
-                        self._running[key] = me
+                    while queue[0] is not mine and self._over(queue[0]):
+                        queue.pop(0)
+                    if queue[0] is mine:
+                        mine.admitted = True
                         return
                 time.sleep(POLL_SECONDS)
 
-    def _over(self, thread: threading.Thread) -> bool:
-        """Whether ``thread``'s registered save is over (under the lock)."""
-        if thread is threading.current_thread() or thread.ident in self._starting:
+    def _over(self, turn: Turn) -> bool:
+        """Whether ``turn``'s save is over (under the lock): as its writer sees it, and for one
+        let in, also once its thread is this one or starts another save."""
+        thread = turn.thread
+        if turn.admitted and (thread is threading.current_thread() or thread.ident in self._starting):
             return True
-        return not (thread.is_alive() and thread_in_save(thread.ident))
+        return turn.over()
 
 
 DIRECTORY_SAVES = DirectorySaves()

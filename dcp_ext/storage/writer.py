@@ -40,6 +40,7 @@ from dcp_ext.storage.save_tracking import (
     OpenSave,
     SaveOrder,
     SaveSlot,
+    async_save_target,
     check_same_save,
     discard_on_failure,
     thread_in_save,
@@ -277,9 +278,12 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         """Copy ``state_dict`` to CPU; complete when this returns. Called by ``dcp.async_save``
         on the caller's thread: the save takes its turn here, in call order (``SaveSlot``),
         where its upload thread, started next, may reach the writer after a later call's."""
+        if not uploads_on_a_thread():  # the process executor's upload runs on a copy of the writer
+            return super().stage(state_dict)
+        target = async_save_target()
+        location = self.location if target is None else Location(target, self.storage_options)
         staged = super().stage(state_dict)
-        if uploads_on_a_thread():  # the process executor's upload runs on a copy of the writer
-            self.slot.issue(staged)
+        DIRECTORY_SAVES.reserve(location, self.slot.issue(staged))  # a plain save called next runs after it
         return staged
 
     def close(self) -> None:

@@ -382,7 +382,7 @@ def replicated_with_step_job(rank: int, world_size: int, path: str) -> dict:
     state = {"n": distribute_tensor(torch.arange(6.0), mesh, [Replicate(), Replicate()])}
     # an option on rank 0 only; with cached plans the digest exchange's coordinator sees it first
     for option, cache in itertools.product(("check_replicas", "replica_locality"), (False, True)):
-        options = {"cache_plans": cache, "check_replicas": False, option: rank == 0}
+        options = {"cache_plans": cache, "check_replicas": True, option: rank == 0}  # locality needs the check
         try:
             dcp.save(state, storage_writer=ShardWriter(f"{path}_{option}_{cache}"), planner=ShardSavePlanner(**options))
             out[option, cache] = "saved"
