@@ -12,7 +12,8 @@ Measures, on a deterministic state dict of mixed tensor sizes (default ~1 GiB):
     ``ShardSavePlanner`` (checksums and atomic commit on) versus the raw ceiling at equal
     thread counts: the same bytes written by T threads into T files with fsync ("raw"), and
     that plus the CRC32C pass our records need ("raw+crc"; they carry no zip CRC-32, which
-    stock's records pay for), all interleaved; CPU seconds of each;
+    stock's records pay for), all interleaved; CPU seconds of each; and ``dcp.save``'s own
+    floor: a save through a writer that writes nothing (``NoWriteWriter``);
 (c) loads into preallocated tensors: stock ``FileSystemReader`` (DCP's default planner) versus
     ``ShardReader`` with ``ShardLoadPlanner`` (the documented pairing), cold
     and warm, each reader on the stock-written AND on the ``ShardWriter``-written checkpoint;
@@ -60,8 +61,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict  # private: timed, not used
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
@@ -176,6 +179,20 @@ class NoReadReader(ShardReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+class NoWriteWriter(ShardWriter):
+    """ShardWriter whose ``write_data`` writes nothing and whose ``finish`` commits nothing:
+    what ``dcp.save`` costs before and after any storage write (its set-up, the planner,
+    the collectives)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        done.set_result([])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------- data
@@ -668,12 +685,27 @@ def measure_floor(group: Group, path: Path, dst: dict[str, torch.Tensor], repeat
     ShardLoadPlanner (whose local plan is in it): no reader can load faster than this plus
     its reads, unless it overlaps them with DCP's own work."""
     NoReadReader(path).read_metadata()  # cached: the floor holds no metadata read
-    out = {}
-    for label, planner in (("default", lambda: None), ("ours", ShardLoadPlanner)):
-        seconds = [timed(group, lambda: dcp.load(dst, storage_reader=NoReadReader(path), planner=planner(),
-                                                  no_dist=group.no_dist))
-                   for _ in range(repeat + 2)][2:]  # two warm-ups: first-call costs are not the floor
-        out[label] = {"seconds": seconds, "median_s": statistics.median(seconds)}
+    return {label: warm_samples(group, lambda: dcp.load(dst, storage_reader=NoReadReader(path), planner=planner(),
+                                                        no_dist=group.no_dist), repeat)
+            for label, planner in (("default", lambda: None), ("ours", ShardLoadPlanner))}
+
+
+def warm_samples(group: Group, fn: Callable[[], object], repeat: int) -> dict[str, Any]:
+    """``repeat`` timings of ``fn`` after two warm-ups (first-call costs are not a floor)."""
+    seconds = [timed(group, fn) for _ in range(repeat + 2)][2:]
+    return {"seconds": seconds, "median_s": statistics.median(seconds)}
+
+
+def measure_save_floor(group: Group, path: Path, state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
+    """Seconds of ``dcp.save`` with no storage writes, with DCP's default planner and with
+    ShardSavePlanner, and of the part of it that is DCP's per-key ``Stateful`` check (in
+    torch 2.13 each key's check is wrapped in DCP's method logger, which builds two debug
+    log records for a ``NullHandler``): no writer can save faster than this plus its writes."""
+    out = {label: warm_samples(group, lambda: dcp.save(state, storage_writer=NoWriteWriter(path), planner=planner(),
+                                                       no_dist=group.no_dist), repeat)
+           for label, planner in (("default", lambda: None), ("ours", ShardSavePlanner))}
+    out["stateful_check"] = warm_samples(group, lambda: _stateful_to_state_dict(state), repeat)
+    shutil.rmtree(path, ignore_errors=True)
     return out
 
 
@@ -724,8 +756,10 @@ def phase_main(cfg: Config, group: Group) -> dict[str, Any]:
     ceilings["read_warm"] = loads["warm"].pop("raw")
     ceilings["read_warm_parallel"] = loads["warm"].pop("raw_parallel")
     floor = measure_floor(group, ckpts["ours-written"], make_state(cfg, group, filled=False), max(cfg.repeat, 5))
+    save_floor = measure_save_floor(group, cfg.ckpt("ckpt_no_write"), state, max(cfg.repeat, 5))
     compression = measure_compression(cfg, group, state, make_state(cfg, group, filled=False))
     return {"cold_available": cold_ok, "ceilings": ceilings, "save": saves, "load": loads, "load_floor": floor,
+            "save_floor": save_floor,
             "compression": compression}
 
 
@@ -841,6 +875,21 @@ def report_floor(main: dict[str, Any]) -> None:
                 ["planner", "no-read load ms", "raw read ms", "sum ms", "ours warm ms", "sum / ours"], rows)
 
 
+def report_save_floor(main: dict[str, Any]) -> None:
+    """Each thread count's save beside what dcp.save costs with no writes plus the raw write."""
+    floor = main["save_floor"]
+    rows = []
+    for threads, row in main["save"].items():
+        raw_s, ours_s = row["raw"]["median_s"], row["ours"]["median_s"]
+        for label, planner in (("default", "DefaultSavePlanner"), ("ours", "ShardSavePlanner")):
+            floor_s = floor[label]["median_s"]
+            rows.append([f"T={threads}", planner, fmt(floor_s * 1e3, ".1f"), fmt(raw_s * 1e3, ".1f"),
+                         fmt((floor_s + raw_s) * 1e3, ".1f"), fmt(ours_s * 1e3, ".1f"), fmt(ratio(floor_s + raw_s, ours_s))])
+    print_table("Save against dcp.save's own cost: dcp.save with no storage writes + the raw write "
+                f"(of the no-write save, DCP's per-key Stateful check: {floor['stateful_check']['median_s'] * 1e3:.1f} ms)",
+                ["threads", "planner", "no-write save ms", "raw write ms", "sum ms", "ours ms", "sum / ours"], rows)
+
+
 def report(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Print the tables; return the target checks."""
     if "main" not in res:  # --save-only
@@ -870,6 +919,7 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
     )
 
     report_saves(main["save"], check)
+    report_save_floor(main)
 
     rows = []
     for mode, by_ckpt in main["load"].items():
