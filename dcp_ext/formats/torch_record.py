@@ -48,6 +48,7 @@ import crc32c
 import numpy as np
 import torch
 from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.index import StoredItem
@@ -732,8 +733,13 @@ def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor that owns exactly its values in row-major order (what we store).
 
     Conj/neg views are resolved: ``torch.save`` would write the unresolved storage plus a
-    bit that the index (which records only where the bytes are) does not carry.
+    bit that the index (which records only where the bytes are) does not carry. A tensor
+    subclass holding its own storage is stored as a plain tensor: its rebuild names its
+    class, which weights-only loaders (stock ``FileSystemReader``'s) refuse, and a load
+    copies values into the destination anyway.
     """
+    if type(tensor) is not torch.Tensor and not is_traceable_wrapper_subclass(tensor):
+        tensor = tensor.as_subclass(torch.Tensor)
     tensor = tensor.detach().resolve_conj().resolve_neg()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()

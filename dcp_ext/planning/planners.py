@@ -47,19 +47,24 @@ from dcp_ext.storage.piece_digests import PieceDigest
 from dcp_ext.storage.save_tracking import SaveOrder, check_same_save
 
 
-def _stock_save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keywords with ``DefaultSavePlanner``'s positional arguments named (checked by
-    name: passed by position they went past the checks)."""
-    names = list(inspect.signature(DefaultSavePlanner.__init__).parameters)[1:]  # after self
-    if len(args) > len(names):
+def _stock_options(owner: str, stock: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords with the ``stock`` planner's positional arguments named, and its flags
+    checked: passed by position they went past the checks, and DCP takes any value for a
+    flag (``allow_partial_load="false"`` turned partial loads on)."""
+    parameters = list(inspect.signature(stock.__init__).parameters.values())[1:]  # after self
+    if len(args) > len(parameters):
         raise InvalidRequestError(
-            f"ShardSavePlanner takes at most {len(names)} positional arguments ({', '.join(names)})"
+            f"{owner} takes at most {len(parameters)} positional arguments ({', '.join(p.name for p in parameters)})"
         )
-    given = dict(zip(names, args))
+    given = {p.name: value for p, value in zip(parameters, args)}
     twice = sorted(set(given) & set(kwargs))
     if twice:
-        raise InvalidRequestError(f"ShardSavePlanner: {', '.join(twice)} given by position and by name")
-    return {**given, **kwargs}
+        raise InvalidRequestError(f"{owner}: {', '.join(twice)} given by position and by name")
+    named = {**given, **kwargs}
+    for p in parameters:
+        if p.name in named and (isinstance(p.default, bool) or "bool" in str(p.annotation)):
+            options.flag(owner, p.name, named[p.name], optional=p.default is None)
+    return named
 
 
 class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
@@ -105,7 +110,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if tp_dim is not None and not replica_locality:
             raise InvalidRequestError("ShardSavePlanner: tp_dim only applies with replica_locality=True")
         # DefaultSavePlanner's own options by name, however they were passed
-        kwargs = _stock_save_options(args, kwargs)
+        kwargs = _stock_options("ShardSavePlanner", DefaultSavePlanner, args, kwargs)
         args = ()
         alias = kwargs.pop("enable_plan_caching", None)  # DCP's name for the same switch
         if alias is not None and options.flag("ShardSavePlanner", "enable_plan_caching", alias) != cache_plans:
@@ -387,7 +392,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     PLANS_EVERY_ELEMENT = True  # its local plan reads all of each destination (ShardReader checks the plan)
 
     def __init__(self, *args: Any, allow_unsafe_bytes: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(**_stock_options("ShardLoadPlanner", DefaultLoadPlanner, args, kwargs))
         self.allow_unsafe_bytes = options.flag("ShardLoadPlanner", "allow_unsafe_bytes", allow_unsafe_bytes)
         self._local_items: list[ReadItem] | None = []  # None: the plan went up whole (a subclass's)
         self._shared: set[int] | None = None  # per load: see _shared_tensors

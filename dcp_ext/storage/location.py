@@ -494,10 +494,14 @@ class FsspecLocation(Location):
         options = _options_dict(path, storage_options)
         try:
             fs, root = fsspec.core.url_to_fs(os.fspath(path), **options)
-        except (ValueError, ImportError) as exc:  # an unknown scheme, or its fsspec backend is not installed
-            raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({exc})") from None
+        except (ValueError, ImportError, OSError) as exc:  # an unknown scheme, its backend not installed or not loadable
+            raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({str(exc).splitlines()[0]})") from None
         except TypeError as exc:  # storage_options its filesystem does not take
             raise InvalidRequestError(f"{os.fspath(path)}: storage_options {storage_options!r} ({exc})") from None
+        if fs.root_marker == "" and not root.split("/", 1)[0]:  # object stores: the first segment is the bucket
+            raise InvalidRequestError(
+                f"{os.fspath(path)}: the URL names no bucket; expected {os.fspath(path).split(':', 1)[0]}://BUCKET/PREFIX"
+            )
         if "//" in root.split("://", 1)[-1].split("?", 1)[0].strip("/"):  # the innermost path (an http root is the URL)
             raise InvalidRequestError(
                 f"{os.fspath(path)}: the path has an empty segment ('//'), which object stores keep in their keys "

@@ -28,7 +28,7 @@ from dcp_ext import InvalidRequestError, ShardLoadPlanner, ShardReader, ShardSav
 from dcp_ext.cli.main import main as cli
 
 from mp import run_job
-from support import assert_state_dict_equal, garbage_like, make_globals
+from support import assert_state_dict_equal, garbage_like, garbage_state, make_globals
 
 # name -> (global shape, dtype, placement when saved on 2 ranks)
 DT_SPECS = {
@@ -351,3 +351,21 @@ def test_a_dtensor_over_local_shards_wrapper_loads(tmp_path, writer, planner):
     refused this load: "holds 60 of the 90 elements"); ShardLoadPlanner narrowed the
     wrapper itself, which refuses ``aten.slice``: it leaves such a DTensor to DCP's lookup."""
     run_job(local_shards_wrapper_job, 1, str(tmp_path), writer, planner)
+
+
+class _Tagged(torch.Tensor):
+    """A plain tensor subclass, as training code makes with ``as_subclass``."""
+
+
+def test_a_tensor_subclass_is_stored_as_a_plain_tensor_that_stock_loads(tmp_path):
+    """The record named the subclass (``_rebuild_from_type_v2``), which stock's weights-only
+    load refuses: stock FileSystemReader could not load our checkpoint, while ShardReader
+    read it (and refused the same record in a stock checkpoint)."""
+    state = {"x": (torch.arange(12.0) * 1.5).reshape(3, 4).as_subclass(_Tagged),
+             "p": torch.nn.Parameter(torch.arange(5.0)), "plain": torch.ones(2, dtype=torch.bfloat16)}
+    dcp.save(state, storage_writer=ShardWriter(tmp_path), planner=ShardSavePlanner())
+    want = {k: v.detach().as_subclass(torch.Tensor).clone() for k, v in state.items()}
+    for reader, planner in ((dcp.FileSystemReader(tmp_path), None), (ShardReader(tmp_path), ShardLoadPlanner())):
+        got = garbage_state(want)
+        dcp.load(got, storage_reader=reader, planner=planner)
+        assert_state_dict_equal(got, want)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import uuid
 import zipfile
 
@@ -225,3 +226,19 @@ def test_an_empty_path_segment_is_refused_and_only_that(url, refused) -> None:
             Location(url)
     else:
         assert isinstance(Location(url), FsspecLocation)
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///ckpt"])
+def test_an_object_store_url_without_a_bucket_is_refused(url) -> None:
+    """Was an empty ValueError('') from s3fs at the save's mkdir, and at a load a
+    complaint about credentials."""
+    with pytest.raises(InvalidRequestError, match=rf"^{re.escape(url)}: the URL names no bucket; expected s3://BUCKET/PREFIX$"):
+        Location(url)
+
+
+def test_a_backend_that_cannot_load_is_named_with_the_url() -> None:
+    """hdfs:// without a JVM raised a bare OSError ("Unable to load libjvm", then "Prior
+    attempt to load libhdfs failed") that named no URL."""
+    pytest.importorskip("pyarrow.fs")
+    with pytest.raises(InvalidRequestError, match=r"^hdfs://namenode/ckpt: cannot open this URL \(.+\)$"):
+        Location("hdfs://namenode/ckpt")

@@ -63,6 +63,11 @@ def test_a_storage_option_of_the_wrong_kind_is_refused_by_name(tmp_path, make, o
     (ShardSavePlanner, "group", "world"),
     (ShardSavePlanner, "enable_plan_caching", "no"),  # DCP's name for cache_plans: it was taken by truthiness
     (ShardLoadPlanner, "placement_fn", "by_ep"),
+    # DCP's own flags, which DCP takes by truthiness: "false" turned partial loads on
+    (ShardLoadPlanner, "allow_partial_load", "false"),
+    (ShardLoadPlanner, "flatten_state_dict", "false"),
+    (ShardSavePlanner, "flatten_sharded_tensors", "no"),
+    (ShardSavePlanner, "dedup_replicated_tensors", "yes"),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else repr(v))
 def test_a_planner_option_of_the_wrong_kind_is_refused_by_name(make, option, value):
     kwargs = {option: value, **({"replica_locality": True} if option == "tp_dim" else {})}
@@ -73,6 +78,15 @@ def test_a_planner_option_of_the_wrong_kind_is_refused_by_name(make, option, val
         return
     with pytest.raises(InvalidRequestError, match=rf"{make.__name__}\({option}=\.\.\.\) must be"):
         make(**kwargs)
+
+
+def test_dcp_planner_flags_passed_by_position_are_checked_too():
+    with pytest.raises(InvalidRequestError, match=r"ShardLoadPlanner\(flatten_state_dict=\.\.\.\) must be True or False, got 'x'"):
+        ShardLoadPlanner("x")
+    with pytest.raises(InvalidRequestError, match="ShardLoadPlanner takes at most 3 positional arguments"):
+        ShardLoadPlanner(True, True, False, True)
+    assert ShardLoadPlanner(True, True, True).allow_partial_load  # as DefaultLoadPlanner takes them
+    assert ShardSavePlanner(True, False).flatten_sharded_tensors is False
 
 
 @pytest.mark.parametrize("make", [ShardWriter, ShardReader])
