@@ -487,6 +487,9 @@ def _change_tag(info: dict[str, Any]) -> Any:
     return info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
 
 
+BUCKET_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})  # paths start with a bucket
+
+
 class FsspecLocation(Location):
     is_local = False
 
@@ -498,7 +501,8 @@ class FsspecLocation(Location):
             raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({str(exc).splitlines()[0]})") from None
         except TypeError as exc:  # storage_options its filesystem does not take
             raise InvalidRequestError(f"{os.fspath(path)}: storage_options {storage_options!r} ({exc})") from None
-        if fs.root_marker == "" and not root.split("/", 1)[0]:  # object stores: the first segment is the bucket
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        if protocols & BUCKET_STORES and not root.split("/", 1)[0]:  # the first segment is the bucket
             raise InvalidRequestError(
                 f"{os.fspath(path)}: the URL names no bucket; expected {os.fspath(path).split(':', 1)[0]}://BUCKET/PREFIX"
             )

@@ -236,6 +236,12 @@ def test_an_object_store_url_without_a_bucket_is_refused(url) -> None:
         Location(url)
 
 
+def test_a_url_whose_store_has_no_buckets_keeps_its_leading_slash(tmp_path) -> None:
+    """Only bucket stores are checked: a cache over a local path (root '/...') is a path."""
+    assert isinstance(Location(f"filecache::file://{tmp_path}/ckpt"), FsspecLocation)
+    assert isinstance(Location("webhdfs://namenode/ckpt"), FsspecLocation)
+
+
 def test_a_backend_that_cannot_load_is_named_with_the_url() -> None:
     """hdfs:// without a JVM raised a bare OSError ("Unable to load libjvm", then "Prior
     attempt to load libhdfs failed") that named no URL."""
