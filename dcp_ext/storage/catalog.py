@@ -60,6 +60,7 @@ class Catalog:
     cache_key: Any = None  # the metadata cache entry it came from (set by MetadataCache.open)
     _chunks_by_key: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = field(default_factory=dict)
     _layouts: dict[MetadataIndex, TensorLayout] = field(default_factory=dict)
+    _parsed: set[MetadataIndex] = field(default_factory=set)  # layouts a load parsed from the record (not a format's)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def derived(self, **changes: Any) -> Catalog:
@@ -155,6 +156,12 @@ class Catalog:
         with self._lock:
             return self._layouts.get(index)
 
+    def parsed_before(self, index: MetadataIndex) -> bool:
+        """Whether ``index``'s known layout was parsed from its record by a load: its zip
+        CRC-32 is the record's as it was then (a data file replaced alone changes it)."""
+        with self._lock:
+            return index in self._parsed
+
     def parse_layout(self, location: Location, index: MetadataIndex) -> TensorLayout:
         """Parse a stock record's zip headers (two small reads) and remember the result."""
         return self.parse_layouts(location, [index])[0]
@@ -221,6 +228,7 @@ class Catalog:
         check_holds(layout, md.properties.dtype, tuple(chunk.sizes), where)
         with self._lock:
             self._layouts[index] = layout
+            self._parsed.add(index)
         return layout
 
 

@@ -531,9 +531,11 @@ class ShardReader(StorageReader):
                 if layout is None and networked and self._cheaper_whole(catalog, read_item, record):
                     layouts.append(None)
                     continue
-                if layout is None or (self.verify_checksums and record.checksum is None and layout.payload_crc32 is None):
-                    # a verified read of a record without CRC32C in the index needs its zip CRC-32:
-                    # our index gives its layout but not that (checksums=False), the record does
+                if layout is None or (self.verify_checksums and record.checksum is None and (
+                        layout.payload_crc32 is None or catalog.parsed_before(read_item.storage_index))):
+                    # a verified read of a record without CRC32C in the index checks its zip CRC-32 as
+                    # the record holds it now: our index gives no CRC-32 (checksums=False), and one
+                    # parsed by an earlier load is stale where the data file alone was replaced
                     missing.setdefault(read_item.storage_index, []).append(len(layouts))
             layouts.append(layout)
         try:

@@ -374,3 +374,20 @@ def test_cache_is_bounded_by_keys_and_chunks_too(tmp_path):
     lone = MetadataCache(max_entries=16, max_rows=10)
     lone.open(Location(tmp_path / "a"))
     assert len(lone._catalogs) == 1  # the newest stays, heavier than the bound on its own
+
+
+def test_a_verified_load_checks_a_stock_record_as_it_is_now(tmp_path):
+    """The zip CRC-32 of a stock record parsed by an earlier load was kept with its layout:
+    after the data file alone was replaced (same size, another save of the same shapes), a
+    verified load in the same process called the new, intact bytes corrupt."""
+    import torch.distributed.checkpoint as dcp
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    old = {"a": torch.arange(64.0), "b": torch.ones(8, dtype=torch.bfloat16)}
+    new = {"a": torch.arange(64.0) * -3.0, "b": torch.full((8,), 2.5, dtype=torch.bfloat16)}
+    dcp.save(old, storage_writer=dcp.FileSystemWriter(first, thread_count=1))
+    dcp.save(new, storage_writer=dcp.FileSystemWriter(second, thread_count=1))
+    assert_state_dict_equal(load(old, first, verify_checksums=True)[0], old)  # the layouts, parsed and cached
+    (data_file,) = [p.name for p in first.iterdir() if is_data_file(p.name)]
+    shutil.copyfile(second / data_file, first / data_file)
+    assert_state_dict_equal(load(old, first, verify_checksums=True)[0], new)  # what the files hold now
