@@ -183,7 +183,8 @@ class TableMaker:
 
     def _build(self, s: int, t: int, shards: int, rank0: bool) -> tuple[PlanTable, np.ndarray]:
         n = len(self.entries) + int(rank0)
-        offsets, sizes = np.zeros((n, 3), np.int64), np.ones((n, 3), np.int64)
+        width = max(len(shape) for _, shape, _ in self.entries)  # as a rank's table: its widest box (no 3-D experts at one layer)
+        offsets, sizes = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
         kind, ndim, nbytes = np.full(n, WriteItemType.SHARD.value, np.int8), np.zeros(n, np.int8), np.zeros(n, np.int64)
         for row, (_, shape, layout) in enumerate(self.entries):
             if layout is None:
@@ -200,7 +201,7 @@ class TableMaker:
         table = make_table(fqns, facts, fqn_id, kind, ndim, offsets, sizes, nbytes)
         # a digest per chunk as ranks would send: equal wherever the chunk is equal
         mix = (fqn_id.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-        for d in range(3):
+        for d in range(width):
             mix ^= offsets[:, d].astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F + d)
         digests = np.stack([mix | np.uint64(1), mix * np.uint64(31) | np.uint64(1)], axis=1)
         digests[kind == BYTE_IO] = 0
@@ -377,20 +378,22 @@ def write_results(job: Job, result: GlobalPlan) -> list[list[WriteResult]]:
     return results
 
 
-def coordinator_writer(path: Path) -> ShardWriter:
-    """A ShardWriter set up as the coordinator of a save, ready for ``finish``."""
+def coordinator_writer(path: Path, results: list[list[WriteResult]]) -> ShardWriter:
+    """A ShardWriter set up as the coordinator of a save, ready for ``finish`` of
+    ``results``: their data files exist, empty (the commit checks that every data file
+    it references is there)."""
     writer = ShardWriter(str(path), sync_files=False)
     writer.set_up_storage_writer(True, rank=0)
     writer.prepare_local_plan(SavePlan([]))
+    for name in {written.storage_data.relative_path for mine in results for written in mine}:
+        (path / name).touch()
     return writer
 
 
 def metadata_round_trip(job: Job, result: GlobalPlan, out: dict, scratch: Path, stock_load: bool) -> None:
     path = scratch / f"ckpt_{job.ranks}"
     results = write_results(job, result)
-    writer = coordinator_writer(path)
-    for name in {written.storage_data.relative_path for mine in results for written in mine}:
-        (path / name).touch()  # the commit checks that every data file it references exists
+    writer = coordinator_writer(path, results)
     with measured(out, "metadata_write"):
         writer.finish(dataclasses.replace(result.metadata), results)
     del results

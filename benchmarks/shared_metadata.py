@@ -38,10 +38,11 @@ MODES = {"per rank": False, "shared": True}
 
 
 def write_metadata(path: Path, ranks: int) -> dict[str, int]:
-    """The metadata files of a ``ranks``-rank save (no data files: only metadata is read)."""
+    """The metadata files of a ``ranks``-rank save (its data files empty: only metadata is read)."""
     job = make_job(TableMaker(64), ranks, "hsdp")
     result = plan_globally(job.tables, chunk_digests=job.digests, tp_ranks=job.tp_ranks)
-    coordinator_writer(path).finish(dataclasses.replace(result.metadata), write_results(job, result))
+    results = write_results(job, result)
+    coordinator_writer(path, results).finish(dataclasses.replace(result.metadata), results)
     return {"chunks": sum(len(m.chunks) for m in result.metadata.state_dict_metadata.values() if hasattr(m, "chunks")),
             **{p.name: p.stat().st_size for p in path.iterdir()}}
 

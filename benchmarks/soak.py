@@ -119,7 +119,8 @@ def corruption_round(path: str, state: dict, rng: random.Random) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=positive_float, default=None, help="stop after this long")
-    parser.add_argument("--iterations", type=positive_int, default=100)
+    parser.add_argument("--iterations", type=positive_int, default=None,
+                        help="stop after this many (default: 100, or none with --minutes); with --minutes, whichever comes first")
     parser.add_argument("--crash-every", type=positive_int, default=10)
     parser.add_argument("--corrupt-every", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -128,11 +129,12 @@ def main() -> None:
     rng = random.Random(args.seed)
     path = tempfile.mkdtemp(prefix="dcp_ext_soak_ckpt_")
     stop_at = time.time() + args.minutes * 60 if args.minutes else None
+    iterations = args.iterations or (None if stop_at else 100)
     figures = {"iterations": 0, "kills": 0, "kills_survived": 0, "survivor": {"old": 0, "new": 0},
                "corruptions": 0, "corruptions_detected": 0, "rss_mib": []}
     seed, started = 0, time.time()
     try:
-        while (figures["iterations"] < args.iterations) if stop_at is None else (time.time() < stop_at):
+        while (iterations is None or figures["iterations"] < iterations) and (stop_at is None or time.time() < stop_at):
             seed += 1
             n = figures["iterations"] = figures["iterations"] + 1
             if n % args.crash_every == 0 and seed > 1:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from dcp_ext import LoadReport, SaveReport, ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
-from dcp_ext.cli.arg_types import positive_int
+from dcp_ext.cli.arg_types import non_empty, positive_int
 from dcp_ext.cli.toy_model import build_sharded_model, train_one_step
 
 CHECKPOINT_DIR = "checkpoint"
@@ -62,22 +62,23 @@ def run_demo(workdir: str | None = None, save_world: int = 4, load_world: int = 
     differs from what was saved. A temporary workdir is deleted unless `keep`; a
     workdir given by the caller is never deleted.
     """
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="dcp-ext-demo-"))
+    temporary = not workdir  # None or "": a directory of its own (an empty one was made, then left behind)
+    root = Path(tempfile.mkdtemp(prefix="dcp-ext-demo-")) if temporary else Path(workdir)
     try:
         _prepare_workdir(root)
         _spawn(_save_worker, save_world, root)
         _spawn(_load_worker, load_world, root)
         report = _build_report(root, save_world, load_world)
-        report["workdir"] = str(root) if keep or workdir else None
+        report["workdir"] = str(root) if keep or not temporary else None
         return report
     finally:
-        if workdir is None and not keep:
+        if temporary and not keep:
             shutil.rmtree(root, ignore_errors=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `dcp-ext demo`."""
-    parser.add_argument("--workdir", default=None,
+    parser.add_argument("--workdir", default=None, type=non_empty,
                         help="directory for the checkpoint (default: a temp dir)")
     parser.add_argument("--save-world", type=positive_int, default=4,
                         help="processes that save the checkpoint (default: 4)")

@@ -408,3 +408,13 @@ def test_checkpoint_text_reaches_the_terminal_escaped(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.splitlines() == [f"error: {tmp_path}/gone\\x1b[31m: no committed checkpoint here "
                                            "(no such directory, or it is empty)"]
+
+
+def test_demo_refuses_an_empty_workdir(capsys):
+    """``--workdir ""`` ran in a temp directory that was then left behind, never named."""
+    from dcp_ext.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--workdir", ""])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dcp-ext demo: error: argument --workdir: must not be empty"
