@@ -50,7 +50,7 @@ import torch
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError, UnsafeCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.safe_pickle import largest_memo_slot
 
@@ -768,6 +768,11 @@ def write_tensor(
     ``copy_out(tensor, write)`` hands a device tensor's bytes to ``write`` piece by piece
     through host buffers (the writer's staging): without it, or where the record's frames
     need the data (zip CRC-32s, a stream transform), the tensor is copied to the CPU whole."""
+    if tensor.is_meta:  # torch's own message ("Cannot copy out of meta tensor") names no key
+        raise InvalidRequestError(
+            f"{where}: is a meta tensor, which holds no values to save; materialize it first "
+            "(module.to_empty(device=...), then initialize or load its weights)"
+        )
     if copy_out is not None and tensor.device.type != "cpu" and transform is None and not sink.frames.zip_crc:
         return write_device_tensor(sink, relative_path, tensor, where, copy_out)
     tensor = dense_cpu(tensor)

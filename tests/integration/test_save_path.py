@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 
 import pytest
 import torch
@@ -271,3 +272,18 @@ def test_a_quantized_tensor_is_refused_before_anything_is_written(tmp_path, plan
     assert sorted(os.listdir(tmp_path)) == files  # nothing of the failed save left
     got, _ = load(before, tmp_path)
     assert_state_dict_equal(got, before)
+
+
+def test_a_meta_tensor_is_refused_naming_its_key(tmp_path):
+    """torch's "Cannot copy out of meta tensor" named no key (a model built on the meta
+    device and saved before ``to_empty``); the previous checkpoint stays."""
+    before = {"w": torch.randn(4, 4)}
+    save(before, tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointException) as err:
+        save({"w": torch.randn(4, 4), "layer.weight": torch.empty(8, 4, device="meta")}, tmp_path)
+    failure = next(iter(err.value.failures.values()))[0]
+    assert isinstance(failure, InvalidRequestError)
+    assert re.search(r"/__0_\w+\.distcp key 'layer\.weight': is a meta tensor, which holds no values to save", str(failure))
+    assert sorted(os.listdir(tmp_path)) == files
+    assert_state_dict_equal(load(before, tmp_path)[0], before)
