@@ -498,7 +498,8 @@ class FsspecLocation(Location):
         try:
             fs, root = fsspec.core.url_to_fs(os.fspath(path), **options)
         except (ValueError, ImportError, OSError) as exc:  # an unknown scheme, its backend not installed or not loadable
-            raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({str(exc).splitlines()[0]})") from None
+            first_line = next(iter(str(exc).splitlines()), "") or type(exc).__name__  # libjvm's runs on for lines
+            raise InvalidRequestError(f"{os.fspath(path)}: cannot open this URL ({first_line})") from None
         except TypeError as exc:  # storage_options its filesystem does not take
             raise InvalidRequestError(f"{os.fspath(path)}: storage_options {storage_options!r} ({exc})") from None
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)

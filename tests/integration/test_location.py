@@ -248,3 +248,18 @@ def test_a_backend_that_cannot_load_is_named_with_the_url() -> None:
     pytest.importorskip("pyarrow.fs")
     with pytest.raises(InvalidRequestError, match=r"^hdfs://namenode/ckpt: cannot open this URL \(.+\)$"):
         Location("hdfs://namenode/ckpt")
+
+
+class _SilentlyFailingFileSystem(fsspec.AbstractFileSystem):
+    """A filesystem whose client fails with an empty message, as s3fs's ValueError('') does."""
+
+    protocol = "dcpextsilent"
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError()
+
+
+def test_a_backend_failing_with_an_empty_message_is_named_by_its_error_type() -> None:
+    fsspec.register_implementation("dcpextsilent", _SilentlyFailingFileSystem, clobber=True)
+    with pytest.raises(InvalidRequestError, match=r"^dcpextsilent://b/ckpt: cannot open this URL \(ValueError\)$"):
+        Location("dcpextsilent://b/ckpt")
