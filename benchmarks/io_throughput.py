@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -987,6 +988,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-only", action="store_true", help="run only the save section (ceilings, stock, ours)")
     p.add_argument("--keep", action="store_true", help="keep the work dir with its checkpoints")
     args = p.parse_args(argv)
+    if not args.save_only and importlib.util.find_spec("zstandard") is None:
+        # checked up front: the zstd section runs last, after minutes of measurements
+        p.error("the compression section needs the zstandard package (pip install zstandard), or pass --save-only")
     if args.json is None:
         args.json = output_file(str(SAVE_JSON if args.save_only else DEFAULT_JSON))
     return args
