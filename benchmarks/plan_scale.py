@@ -234,7 +234,8 @@ def measured(out: dict, name: str) -> Iterator[None]:
     faults on fresh memory) and peak RSS growth (sampled every 5 ms) of the block, into
     out[name]."""
     gc.collect()
-    start_rss, peak, done = rss(), [0], threading.Event()
+    start_rss = rss()
+    peak, done = [start_rss], threading.Event()  # growth, never below 0 when memory is freed during the block
     start_cpu = resource.getrusage(resource.RUSAGE_SELF)
 
     def sample() -> None:
@@ -255,7 +256,7 @@ def measured(out: dict, name: str) -> Iterator[None]:
             "seconds": round(seconds, 4),
             "user_seconds": round(cpu.ru_utime - start_cpu.ru_utime, 2),
             "system_seconds": round(cpu.ru_stime - start_cpu.ru_stime, 2),
-            "peak_rss_mb": round(max(peak[0], rss()) - start_rss) / 2**20,
+            "peak_rss_mb": round((max(peak[0], rss()) - start_rss) / 2**20, 1),
         }
 
 
