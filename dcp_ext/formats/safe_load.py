@@ -16,9 +16,12 @@ import argparse
 import bisect
 import io
 import os
+import pathlib
 import pickle
 import pickletools
 import re
+import signal
+import types
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ import torch
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.faults import shown
+from dcp_ext.formats.stand_ins import megatron_stand_ins, megatron_value
 
 _MULTIARRAY = (getattr(np, "_core", None) or np.core).multiarray
 # every plain bool / int / uint / float / complex width, platform aliases included
@@ -39,25 +43,40 @@ SAFE_GLOBALS: list[Any] = [
     io.BytesIO,  # Transformer Engine ``_extra_state`` (plain bytes, no code)
     bytes,  # ``b""`` pickles as ``bytes()`` (non-empty bytes use ``_codecs.encode``, allowed by torch)
     frozenset,  # a plain container like the ``set`` torch already allows
+    types.SimpleNamespace,
+    signal.Signals,  # Megatron-LM's ``args.exit_signal``
+    pathlib.PosixPath,  # building one touches no file
+    (pathlib.PosixPath, "pathlib._local.PosixPath"),  # as Python 3.13 pickles it
+    megatron_value,  # a Megatron class's stand-in saved again (``stand_ins``)
     np.ndarray,
     np.dtype,
-    _MULTIARRAY._reconstruct,  # numpy arrays
-    _MULTIARRAY.scalar,  # numpy scalars: a dtype and its raw bytes
+    # numpy arrays, and scalars (a dtype and its raw bytes), under numpy 2's module name and numpy
+    # 1's: Megatron-LM's RNG state pickled under numpy 1 names ``numpy.core.multiarray._reconstruct``
+    *((getattr(_MULTIARRAY, name), f"{module}.{name}")
+      for module in ("numpy._core.multiarray", "numpy.core.multiarray") for name in ("_reconstruct", "scalar")),
     # dtype classes are checked when a dtype is built: object, string, void (structured) and
     # datetime dtypes stay refused
     *dict.fromkeys(type(np.dtype(code)) for code in _PLAIN_DTYPE_CODES),
 ]
 ALLOWED_TEXT = (
-    "only tensors, plain containers (dict, list, tuple, set, frozenset), bytes, argparse.Namespace, io.BytesIO "
-    "and numpy arrays and scalars of bool/int/uint/float/complex dtypes are allowed"
+    "only tensors, plain containers (dict, list, tuple, set, frozenset), bytes, argparse.Namespace, "
+    "types.SimpleNamespace, io.BytesIO, pathlib.PosixPath, signal.Signals, numpy arrays and scalars of "
+    "bool/int/uint/float/complex dtypes, and in Megatron files Megatron's own enums and configs are allowed"
 )
 
 
 def safe_torch_load(
-    source: str | os.PathLike[str] | bytes | IO[bytes], where: str, mmap: bool = False, layout_only: bool = False
+    source: str | os.PathLike[str] | bytes | IO[bytes],
+    where: str,
+    mmap: bool = False,
+    layout_only: bool = False,
+    megatron: bool = False,
 ) -> Any:
     """Load a ``torch.save`` file, file object or byte string with ``weights_only=True`` and
     our allowlist.
+
+    ``megatron=True`` (Megatron-LM's own files) also takes the Megatron classes those hold,
+    as inert stand-ins (``stand_ins``).
 
     ``mmap=True`` (local files) maps tensor storages instead of reading them.
     ``layout_only=True`` reads only the pickle and the zip directory: tensors come back on
@@ -69,21 +88,28 @@ def safe_torch_load(
     stream: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     if layout_only or mmap:  # both take each storage's bytes from the file as its pickle claims them
         entries = _storage_entries(stream, where)
-        state = _torch_load(source, stream, where, "meta", mmap=False)
+        state = _torch_load(source, stream, where, "meta", False, megatron)
         _check_storages(state, entries, where)
         if layout_only:
             return state
         if hasattr(stream, "seek"):
             stream.seek(0)
-    return _torch_load(source, stream, where, "cpu", mmap)
+    return _torch_load(source, stream, where, "cpu", mmap, megatron)
 
 
-def _torch_load(source: Any, stream: Any, where: str, device: str, mmap: bool) -> Any:
+def _allowed(megatron: bool) -> list[Any]:
+    """Our allowlist for one load (the Megatron stand-ins yield to the user's own classes)."""
+    if not megatron:
+        return SAFE_GLOBALS
+    return [*SAFE_GLOBALS, *megatron_stand_ins({_global_name(g) for g in torch.serialization.get_safe_globals()})]
+
+
+def _torch_load(source: Any, stream: Any, where: str, device: str, mmap: bool, megatron: bool) -> Any:
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals(_allowed(megatron)):
             return torch.load(stream, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        detail = ", ".join(refused_globals(source)) or _torch_reason(exc)
+        detail = ", ".join(refused_globals(source, megatron)) or _torch_reason(exc)
         raise UnsafeCheckpointError(  # torch.load takes the classes registered with it too
             f"{where}: refuses to unpickle {detail} ({ALLOWED_TEXT}); "
             "register classes you trust with torch.serialization.add_safe_globals"
@@ -232,10 +258,10 @@ def safe_load_bytes(data: bytes, where: str, opt_out: str) -> Any:
         raise UnsafeCheckpointError(f"{exc}, or pass {opt_out} for a checkpoint you trust") from None
 
 
-def refused_globals(source: str | os.PathLike[str] | bytes) -> list[str]:
+def refused_globals(source: str | os.PathLike[str] | bytes, megatron: bool = False) -> list[str]:
     """The globals a ``torch.save`` file or raw pickle names that the loader does not allow,
     found by reading its opcodes (nothing is imported or called). A hint for messages."""
-    allowed = _allowed_paths()
+    allowed = _allowed_paths(megatron)
     try:
         found = [name for stream in _pickles(source) for name in _globals_in(stream)]
     except Exception:  # a damaged zip (zipfile raises ValueError too): no hint, the refusal stands
@@ -285,7 +311,7 @@ def _py3_name(module: str, name: str) -> str:
     return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
 
 
-def _allowed_paths() -> set[str]:
+def _allowed_paths(megatron: bool) -> set[str]:
     """Full names of every global ``safe_torch_load`` accepts: torch's defaults, ours, the user's."""
     try:
         from torch._weights_only_unpickler import _get_allowed_globals
@@ -293,12 +319,15 @@ def _allowed_paths() -> set[str]:
         paths = set(_get_allowed_globals())
     except ImportError:  # a hint only: report more names rather than fail
         paths = set()
-    for entry in [*SAFE_GLOBALS, *torch.serialization.get_safe_globals()]:
-        if isinstance(entry, tuple):  # (object, "module.name") as add_safe_globals accepts
-            paths.add(entry[1])
-        else:
-            paths.add(f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}")
-    return paths
+    return paths | {_global_name(entry) for entry in [*_allowed(megatron), *torch.serialization.get_safe_globals()]}
+
+
+def _global_name(entry: Any) -> str:
+    """The name a pickle gives an allowlist entry: ``(object, "module.name")`` as
+    ``add_safe_globals`` accepts, or an object's own module and name."""
+    if isinstance(entry, tuple):
+        return entry[1]
+    return f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}"
 
 
 def _torch_reason(exc: Exception) -> str:

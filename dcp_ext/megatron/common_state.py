@@ -45,11 +45,12 @@ def load_common_state(
         path = checkpoint.files[(0, 0, 0)]
         where = f"{location.url}/{path}"
         local = location.local_file(path)  # memory-mapped: the weights in that file stay unread
-        state = safe_torch_load(local, where, mmap=True) if local else safe_torch_load(location.read_bytes(path), where)
+        state = (safe_torch_load(local, where, mmap=True, megatron=True) if local
+                 else safe_torch_load(location.read_bytes(path), where, megatron=True))
         return {key: value for key, value in state.items() if key in checkpoint.common}
     if location.exists(COMMON_PT):  # Megatron's mark, unless beside our index (a convert's copy: is_megatron_catalog)
         _check_as_a_load(location, options, kind, megatron=kind != "dcp" or not location.exists(INDEX_NAME))
-        return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}")
+        return safe_torch_load(location.read_bytes(COMMON_PT), f"{location.url}/{COMMON_PT}", megatron=True)
     if kind == "dcp":
         catalog = read_catalog(location)
         key = common_state_key(catalog.metadata)
@@ -61,7 +62,7 @@ def load_common_state(
             with location.open_reader(item.relative_path, key) as reader:
                 buf = bytearray(item.length)
                 reader.read_into(item.offset, [memoryview(buf)])
-            state = safe_torch_load(bytes(buf), where)
+            state = safe_torch_load(bytes(buf), where, megatron=True)
             return state[0] if isinstance(state, list) and len(state) == 1 else state
     raise CheckpointError(f"{location.url}: no Megatron common state ({COMMON_PT} or a common_state object)")
 

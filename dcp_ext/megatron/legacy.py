@@ -166,10 +166,10 @@ class LegacyCheckpoint:
         where = f"{self.url}/{path}"
         local = self.location.local_file(path)
         if local:
-            state = safe_torch_load(local, where, layout_only=True)
+            state = safe_torch_load(local, where, layout_only=True, megatron=True)
         else:
             with self.location.open_file(path) as stream:
-                state = safe_torch_load(stream, where, layout_only=True)
+                state = safe_torch_load(stream, where, layout_only=True, megatron=True)
         if not isinstance(state, dict) or not any(_MODEL_KEY.match(k) for k in state):
             raise CheckpointError(f"{where}: not a Megatron model file (no 'model' entry)")
         return state

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import io
 import os
+import pathlib
 import pickle
 import pickletools
+import signal
+import types
 
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ import torch
 from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.formats.safe_pickle import largest_memo_slot
+from dcp_ext.formats.stand_ins import MegatronValue, megatron_value
 
 PLAIN_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
                 np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128, np.longlong]
@@ -105,3 +111,88 @@ def test_largest_memo_slot_is_the_one_the_opcodes_name(protocol):
     for broken in (b"\xff" + data, data[:-1], data[: len(data) // 2], b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"."):
         with pytest.raises(ValueError):  # no opcode, no STOP, cut short, a length past the end (allocated first)
             largest_memo_slot(broken)
+
+
+def renamed_globals(obj, renames: dict[str, str]) -> bytes:
+    """``torch.save`` of ``obj`` in torch's legacy (non-zip) stream, its pickles naming each
+    global ``module.name`` of ``renames`` as the value says (GLOBAL opcodes are text lines)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf, _use_new_zipfile_serialization=False, pickle_protocol=2)
+    data = buf.getvalue()
+    for old, new in renames.items():
+        line = "c{}\n{}\n".format(*old.rsplit(".", 1)).encode()
+        assert line in data, old
+        data = data.replace(line, "c{}\n{}\n".format(*new.rsplit(".", 1)).encode())
+    return data
+
+
+@pytest.mark.parametrize("modules", [("numpy._core.multiarray", "numpy.core.multiarray"),
+                                     ("numpy.core.multiarray", "numpy._core.multiarray")],
+                         ids=["written by numpy 1", "written by numpy 2"])
+def test_numpy_arrays_load_under_either_numpy_module_name(modules):
+    """numpy 1 pickles arrays and scalars as ``numpy.core.multiarray._reconstruct`` /
+    ``scalar``, numpy 2 as ``numpy._core...``: Megatron-LM's RNG state comes in both."""
+    state = np.random.RandomState(7).get_state()
+    value = {"np_rng_state": state, "scalar": np.float32(2.5)}
+    natural = np.ndarray.__reduce__(np.zeros(1))[0].__module__  # where this numpy defines _reconstruct
+    old, new = modules if natural == modules[0] else modules[::-1]
+    renames = {f"{old}.{name}": f"{new}.{name}" for name in ("_reconstruct", "scalar")}
+    got = safe_torch_load(renamed_globals(value, renames), "key 'x'")
+    assert got["np_rng_state"][0] == "MT19937" and np.array_equal(got["np_rng_state"][1], state[1])
+    assert same(got["scalar"], np.float32(2.5))
+
+
+def test_stdlib_values_in_args_load():
+    """What Megatron-LM's ``args`` holds besides plain values: a signal, paths, a SimpleNamespace."""
+    value = {"exit_signal": signal.SIGTERM, "save": pathlib.PosixPath("/ckpt/run"), "ns": types.SimpleNamespace(a=1)}
+    got = safe_torch_load(saved(value), "key 'x'")
+    assert got == value and got["exit_signal"] is signal.SIGTERM
+
+
+class _Backend(enum.Enum):
+    flash = 1
+    auto = 5
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float
+    betas: tuple
+
+
+def as_megatron(obj) -> bytes:
+    """``obj`` saved with our ``_Backend`` and ``_Config`` named as Megatron names its classes,
+    as a file written where megatron-core is installed names them (tests/fixtures/megatron
+    holds such files written by Megatron itself)."""
+    return renamed_globals(obj, {
+        f"{__name__}._Backend": "megatron.core.transformer.enums.AttnBackend",
+        f"{__name__}._Config": "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    })
+
+
+def test_megatron_classes_load_as_inert_stand_ins_in_megatron_files_only():
+    data = as_megatron({"attention_backend": _Backend.auto, "config": _Config(1e-3, (0.9, 0.95))})
+    with pytest.raises(UnsafeCheckpointError, match="megatron.core.transformer.enums.AttnBackend"):
+        safe_torch_load(data, "key 'x'")  # a DCP bytes item: Megatron's classes are not ours to take
+    got = safe_torch_load(data, "f.pt", megatron=True)
+    backend, config = got["attention_backend"], got["config"]
+    assert isinstance(backend, MegatronValue) and backend.type_name == "megatron.core.transformer.enums.AttnBackend"
+    assert backend.args == (5,) and repr(backend) == "megatron.core.transformer.enums.AttnBackend(5)"
+    assert config.type_name == "megatron.core.optimizer.optimizer_config.OptimizerConfig"
+    assert config.state == {"lr": 1e-3, "betas": (0.9, 0.95)}
+    # saved again (a converted checkpoint's args), it loads with the plain allowlist, equal
+    again = safe_torch_load(saved(got), "key 'x'")
+    assert again == got and hash(again["attention_backend"]) == hash(backend)
+
+
+def test_a_megatron_class_the_user_registered_is_used_instead_of_the_stand_in():
+    data = as_megatron({"attention_backend": _Backend.auto, "config": _Config(1e-3, (0.9, 0.95))})
+    with torch.serialization.safe_globals([(_Backend, "megatron.core.transformer.enums.AttnBackend")]):
+        got = safe_torch_load(data, "f.pt", megatron=True)
+    assert got["attention_backend"] is _Backend.auto
+
+
+@pytest.mark.parametrize("args", [(1, (), None), ("x", [1], None)], ids=["name not a string", "args not a tuple"])
+def test_a_stand_in_rebuilt_from_a_hostile_pickle_is_refused(args):
+    with pytest.raises(CheckpointError, match="key 'x'"):
+        safe_torch_load(pickle.dumps(Payload(megatron_value, *args), protocol=2), "key 'x'")
