@@ -90,14 +90,24 @@ def commit(
     crash_point("before-commit")
     require_files(location, referenced)
     set_index_aside(location)
-    location.replace(temps[INDEX_NAME], INDEX_NAME)
+    publish(location, temps[INDEX_NAME], INDEX_NAME)
     crash_point("after-index")
     at_commit_point()
-    location.replace(temps[METADATA_NAME], METADATA_NAME)  # the commit point
+    publish(location, temps[METADATA_NAME], METADATA_NAME)  # the commit point
     crash_point("before-marker")
-    location.replace(temps[MARKER_NAME], MARKER_NAME)
+    publish(location, temps[MARKER_NAME], MARKER_NAME)
     if sync:
         location.sync_directory()
+
+
+def publish(location: Location, temp: str, name: str) -> None:
+    """Rename this save's ``temp`` into ``name``; a temp file that is gone was removed by
+    another save's clean-up (``remove_dead_files`` takes any temp file for a dead save's)."""
+    try:
+        location.replace(temp, name)
+    except FileNotFoundError:
+        raise _two_jobs(location, f"its temporary file {temp} is gone while it commits: another save into this "
+                                  "directory removed it") from None
 
 
 def require_files(location: Location, referenced: set[str]) -> None:
@@ -105,12 +115,16 @@ def require_files(location: Location, referenced: set[str]) -> None:
     stores too): another job saving into this directory took them for a dead save's."""
     missing = sorted(referenced - set(location.listdir()))
     if missing:
-        raise CheckpointError(
-            f"{location.url}: {len(missing)} data file(s) of this save were removed while it ran "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): another save into this directory "
-            "removed them, so two jobs are saving here; this save is not committed (the directory keeps the "
-            "checkpoint committed there)"
-        )
+        raise _two_jobs(location, f"{len(missing)} data file(s) of this save were removed while it ran "
+                                  f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): another save "
+                                  "into this directory removed them")
+
+
+def _two_jobs(location: Location, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{location.url}: {what}, so two jobs are saving here; this save is not committed (the directory keeps "
+        "the checkpoint committed there)"
+    )
 
 
 def set_index_aside(location: Location) -> None:

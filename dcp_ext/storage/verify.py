@@ -39,6 +39,7 @@ class VerifyReport:
     indexed: bool = False
     committed: bool = False  # see Catalog.committed; a fault only where the marker is the commit point
     save_id: str | None = None  # which save this checkpoint is (from its storage meta)
+    changed: bool = False  # a newer save was committed while the check ran: its one fault says so
 
     @property
     def ok(self) -> bool:
@@ -59,6 +60,21 @@ def verify_checkpoint(
     except CheckpointError as exc:
         report.faults.append(str(exc))
         return report
+    _check_catalog(catalog, location, report, progress)
+    if report.faults and FORMATS[catalog.format].signature(location, None) != catalog.signature:
+        # the files looked at were partly the old checkpoint's, partly the new one's (or retired)
+        report.changed = True
+        report.faults = [
+            f"{location.url}: a newer save was committed into this directory while verify ran (the "
+            f"{len(report.faults)} fault(s) seen were in files it replaced or retired); run verify again"
+        ]
+    return report
+
+
+def _check_catalog(
+    catalog: Catalog, location: Location, report: VerifyReport, progress: Callable[[int, int], None] | None
+) -> None:
+    """Every check of one opened catalog, its faults into ``report``."""
     report.indexed = catalog.indexed
     if catalog.format == "dcp" and catalog.indexed and stored_metadata_facts(location)[1] != catalog.fingerprint:  # a load trusts the marker's stamp
         report.faults.append(f"{location.url}/.metadata: CRC32C differs from what the index and commit marker recorded (stock DCP readers read this file)")
@@ -94,9 +110,10 @@ def verify_checkpoint(
                     progress(done, total)
         except CheckpointError as exc:  # a file that cannot be read (a directory, no access)
             report.faults.append(f"{exc} (holds {holds})")
+        except FileNotFoundError:  # removed after its size was read
+            report.faults.append(f"{name}: missing (holds {holds})")
         finally:
             done = file_end
-    return report
 
 
 def _records_by_file(catalog: Catalog) -> dict[str, list[tuple[MetadataIndex, StoredItem]]]:

@@ -22,6 +22,9 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_ext import CheckpointError, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.formats.index import INDEX_NAME
+from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
+from dcp_ext.storage.commit import commit, remove_dead_files
+from dcp_ext.storage.location import LocalLocation
 from dcp_ext.storage.verify import verify_checkpoint
 
 from mp import run_job
@@ -148,6 +151,53 @@ def test_a_save_whose_files_another_job_removed_fails_and_the_other_stays(tmp_pa
     data_files = {name for name in os.listdir(path) if name.endswith((".distcp", ".tmp", ".parquet"))}
     assert data_files == {item.relative_path for item in reader.catalog.items.values()} | {INDEX_NAME}
     assert verify_checkpoint(str(path)).ok
+
+
+class _OtherJobStartsMidCommit(LocalLocation):
+    """A directory where another job's save begins (its real clean-up of dead saves' files,
+    ``remove_dead_files``) just after this commit synced its temporary files."""
+
+    def sync_directory(self) -> None:
+        super().sync_directory()
+        remove_dead_files(LocalLocation(self.root))
+
+
+def test_a_commit_whose_temporary_files_another_job_removed_fails_naming_the_two_jobs(tmp_path):
+    """The other job's clean-up takes any temporary commit file for a dead save's. Before, the
+    rename of the removed file raised a bare FileNotFoundError naming no cause."""
+    path = tmp_path / "ckpt"
+    save(seeded_state(1), path)
+    location = LocalLocation(str(path))
+    files = read_catalog(location).files()
+    with pytest.raises(CheckpointError) as info:
+        commit(_OtherJobStartsMidCommit(str(path)), "5" * 32, (path / METADATA_NAME).read_bytes(),
+               (path / INDEX_NAME).read_bytes(), files, sync=True)
+    message = str(info.value)
+    assert "is gone while it commits: another save into this directory removed it, so two jobs are saving here" in message
+    got, _ = load(seeded_state(0), path, cache_metadata=False, verify_checksums=True)
+    assert_state_dict_equal(got, seeded_state(1))
+    assert verify_checkpoint(str(path)).ok
+
+
+def test_verify_during_a_save_that_commits_says_so_instead_of_reporting_faults(tmp_path):
+    """A save committed while ``verify`` reads (a monitoring check beside a training job)
+    retires the files verify is about to check. Before, verify reported them missing and the
+    new ``.metadata`` as corrupt: false alarms about a healthy directory."""
+    path = tmp_path / "ckpt"
+    save(seeded_state(1), path, thread_count=4)  # several files: the save lands between two of them
+    saved = []
+
+    def save_once(done: int, total: int) -> None:
+        if not saved:
+            save(seeded_state(2), path, thread_count=4)
+            saved.append(True)
+
+    report = verify_checkpoint(str(path), progress=save_once)
+    assert saved and report.changed and len(report.faults) == 1, report.faults
+    assert "a newer save was committed into this directory while verify ran" in report.faults[0]
+    assert "run verify again" in report.faults[0]
+    again = verify_checkpoint(str(path))
+    assert again.ok and not again.changed
 
 
 # -- load ----------------------------------------------------------------------------------
