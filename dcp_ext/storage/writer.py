@@ -224,6 +224,9 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.clock.charge_rest("plan")
         if getattr(planner, "_enable_plan_caching", False) is True:  # before anything is written or removed
+            _forget_cached_plans(planner)
+            if self.is_coordinator:  # nothing is written yet: only the directory this save made, if it did
+                OpenSave(self.location, self._token, "", self._created_dir).discard()
             raise InvalidRequestError(
                 f"{self.location.url}: DefaultSavePlanner(enable_plan_caching=True) hands later saves the first "
                 "save's finished plans, with the data-file names ShardWriter gives that save alone: a later save "
@@ -395,3 +398,18 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             sink.drain()
         crash_point("after-file")
         return results
+
+
+_PLAN_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan")
+
+
+def _forget_cached_plans(planner: SavePlanner) -> None:
+    """Drop what a refused ``DefaultSavePlanner(enable_plan_caching=True)`` save left in DCP's
+    plan cache, which is per process and keyed by planner class: plans naming our data files
+    would be handed to the next caching save of that class, a stock ``FileSystemWriter``'s
+    too (which then failed on every save). Without the entries that save plans afresh."""
+    key = getattr(planner, "_cached_plans_key", None)
+    for name in _PLAN_CACHES:
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.pop(key, None)

@@ -113,3 +113,26 @@ def test_dcp_plan_caching_is_refused_before_it_can_overwrite_the_live_checkpoint
     out = {"w": garbage_like(live["w"])}
     dcp.load(out, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
     assert_state_dict_equal(out, live)
+
+
+def test_a_refused_caching_save_leaves_dcp_plan_cache_and_no_directory_behind(tmp_path):
+    """DCP's plan cache is per process and keyed by planner class: the refused save had
+    cached plans naming our data files, and every later caching save of that class, stock
+    ``FileSystemWriter``'s too, failed ('FilePrefix' object has no attribute 'prefix'). The
+    refused save into a new directory also left that directory behind, empty."""
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    with pytest.raises(CheckpointException):
+        dcp.save({"w": torch.zeros(6)}, storage_writer=ShardWriter(ours), planner=_DcpCachingPlanner(), no_dist=True)
+    assert not ours.exists()
+    planner = _DcpCachingPlanner()
+    try:
+        for step in range(3):
+            want = {"w": torch.full((6,), float(step))}
+            dcp.save(want, storage_writer=dcp.FileSystemWriter(stock), planner=planner, no_dist=True)
+            out = {"w": garbage_like(want["w"])}
+            dcp.load(out, storage_reader=dcp.FileSystemReader(stock), no_dist=True)
+            assert_state_dict_equal(out, want)
+    finally:
+        for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                      SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+            cache.pop(_DcpCachingPlanner.__name__, None)
