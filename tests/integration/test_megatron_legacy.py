@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import zipfile
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
 from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_ext.cli.main import main as cli
 from dcp_ext.formats.safe_load import safe_torch_load
-from dcp_ext.megatron import MegatronOptions, load_common_state
+from dcp_ext.formats.stand_ins import megatron_value
+from dcp_ext.megatron import MegatronOptions, MegatronValue, load_common_state
 from dcp_ext.storage.verify import verify_checkpoint
 
 from megatron_fixtures import write_legacy
@@ -382,3 +386,57 @@ def test_experts_numbered_past_what_args_give_each_rank_are_refused(tmp_path, nu
                else r"are both 'decoder\.layers\.0\.mlp\.experts\.local_experts\.2\.")
     with pytest.raises(CorruptCheckpointError, match=message):
         ShardReader(tmp_path).read_metadata()
+
+
+# -- written by Megatron-LM's own save_checkpoint (tests/fixtures/megatron/generate_legacy.py) ----
+LEGACY_FIXTURES = ["legacy019_tp2", "legacy019_pp2", "legacy019_ep2_moe", "legacy019_pp2_vpp2"]
+NUMPY1_FIXTURES = {"legacy019_tp2", "legacy019_ep2_moe"}  # written under numpy 1.26
+
+
+def _megatron_lm(name: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """The fixture's save root and megatron-core's own values for it."""
+    return str(FIXTURES / "megatron" / name), load_file(FIXTURES / "megatron" / f"{name}.expected.safetensors")
+
+
+def _pickle_of_rank_file(root: str) -> bytes:
+    first = os.path.join(root, "iter_0000007", sorted(os.listdir(os.path.join(root, "iter_0000007")))[0], "model_optim_rng.pt")
+    with zipfile.ZipFile(first) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_megatron_lm_checkpoints_load_bit_exact_with_their_real_args(name):
+    """Every weight as megatron-core loads it, and ``args`` as a real run saves it: Megatron's
+    enums (stand-ins: megatron-core is not installed here), a signal, numpy 1 or 2 RNG state."""
+    root, want = _megatron_lm(name)
+    pickled = _pickle_of_rank_file(root)
+    assert b"megatron.core.enums" in pickled and b"AttnBackend" in pickled and b"signal" in pickled
+    assert (b"numpy.core.multiarray" in pickled) == (name in NUMPY1_FIXTURES)  # the fixture is what it claims
+    state, reader = load_tensors(root, want, extra=("args", "iteration", "checkpoint_version"))
+    assert set(reader.catalog.metadata.state_dict_metadata) == set(want) | {"args", "iteration", "checkpoint_version"}
+    args = state["args"]
+    assert state["iteration"] == 7 and state["checkpoint_version"] == 3.0 and args.ckpt_format == "torch"
+    assert args.exit_signal is signal.SIGTERM
+    assert args.model_type == megatron_value("megatron.core.enums.ModelType", (1,), None)
+    assert isinstance(args.attention_backend, MegatronValue)
+    assert args.attention_backend.type_name == "megatron.core.transformer.enums.AttnBackend"
+    common = load_common_state(root)
+    assert common["iteration"] == 7 and common["args"] == args and "rng_state" in common
+
+
+@pytest.mark.parametrize("name", ["legacy019_tp2", "legacy019_pp2_vpp2"])
+def test_megatron_lm_checkpoints_verify_and_convert(tmp_path, name, capsys):
+    root, want = _megatron_lm(name)
+    assert cli(["verify", root]) == 0
+    assert cli(["convert", root, str(tmp_path / "converted")]) == 0
+    state, _ = load_tensors(tmp_path / "converted", want, extra=("args",))
+    stock = {"args": None}  # stock DCP unpickles our stand-ins with weights_only=False
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(tmp_path / "converted"), no_dist=True)
+    assert stock["args"] == state["args"] and state["args"].model_type.args == (1,)
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("two_stage", [False, True], ids=["plain", "two-stage"])
+def test_megatron_lm_tp2_checkpoint_loads_into_dtensors(two_stage):
+    root, want = _megatron_lm("legacy019_tp2")
+    run_job(dtensor_load_job, 2, root, want, two_stage)
