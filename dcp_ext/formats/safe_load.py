@@ -61,7 +61,7 @@ SAFE_GLOBALS: list[Any] = [
 ALLOWED_TEXT = (
     "only tensors, plain containers (dict, list, tuple, set, frozenset), bytes, argparse.Namespace, "
     "types.SimpleNamespace, io.BytesIO, pathlib.PosixPath, signal.Signals, numpy arrays and scalars of "
-    "bool/int/uint/float/complex dtypes, and in Megatron files Megatron's own enums and configs are allowed"
+    "bool/int/uint/float/complex dtypes, and Megatron's own enums and configs (as stand-ins) are allowed"
 )
 
 
@@ -75,8 +75,8 @@ def safe_torch_load(
     """Load a ``torch.save`` file, file object or byte string with ``weights_only=True`` and
     our allowlist.
 
-    ``megatron=True`` (Megatron-LM's own files) also takes the Megatron classes those hold,
-    as inert stand-ins (``stand_ins``).
+    Megatron's own classes become inert stand-ins (``stand_ins``); ``megatron=True``
+    (Megatron-LM's own files) also takes the generators of their RNG state so.
 
     ``mmap=True`` (local files) maps tensor storages instead of reading them.
     ``layout_only=True`` reads only the pickle and the zip directory: tensors come back on
@@ -99,9 +99,8 @@ def safe_torch_load(
 
 def _allowed(megatron: bool) -> list[Any]:
     """Our allowlist for one load (the Megatron stand-ins yield to the user's own classes)."""
-    if not megatron:
-        return SAFE_GLOBALS
-    return [*SAFE_GLOBALS, *megatron_stand_ins({_global_name(g) for g in torch.serialization.get_safe_globals()})]
+    taken = {_global_name(g) for g in torch.serialization.get_safe_globals()}
+    return [*SAFE_GLOBALS, *megatron_stand_ins(taken, megatron)]
 
 
 def _torch_load(source: Any, stream: Any, where: str, device: str, mmap: bool, megatron: bool) -> Any:

@@ -6,8 +6,11 @@ of Megatron's own classes: enums in ``args`` (``attention_backend``, ``model_typ
 the RNG state (``megatron/core/safe_globals.py`` registers exactly these). A reader must not
 need megatron-core installed for them, nor import or call what a file names, so each name
 below unpickles into a :class:`MegatronValue`: the class's name and what the pickle passed to
-rebuild it, nothing run. A class the user registered with
-``torch.serialization.add_safe_globals`` under the same name is used instead.
+rebuild it, nothing run, wherever they are: Megatron-LM's torch_dist and torch_dcp
+checkpoints hold them in DCP bytes items (``common_state``, ``rerun_state_machine_state``,
+``args``). A generator becomes one only in Megatron's own files: elsewhere a
+``torch.Generator`` is the user's, and a stand-in would silently replace it. A class the user
+registered with ``torch.serialization.add_safe_globals`` under the same name is used instead.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ MEGATRON_CLASS_NAMES = (
     "megatron.core.rerun_state_machine.RerunDiagnostic",
     "megatron.core.rerun_state_machine.RerunMode",
     "megatron.core.rerun_state_machine.RerunState",
-    "torch._C.Generator",  # a CUDA generator cannot be built on a machine without one
 )
+GENERATOR_NAME = "torch._C.Generator"  # in Megatron's RNG state: a CUDA one cannot be built without a GPU
 
 
 class MegatronValue:
@@ -79,9 +82,12 @@ def _stand_in(name: str) -> type[MegatronValue]:
 
 
 _STAND_INS = [(_stand_in(name), name) for name in MEGATRON_CLASS_NAMES]
+_GENERATOR = (_stand_in(GENERATOR_NAME), GENERATOR_NAME)
 
 
-def megatron_stand_ins(taken: set[str]) -> list[tuple[type[MegatronValue], str]]:
-    """``(class, name)`` pairs for ``torch.serialization.safe_globals``, except the names in
-    ``taken`` (registered by the user with their real classes)."""
-    return [(cls, name) for cls, name in _STAND_INS if name not in taken]
+def megatron_stand_ins(taken: set[str], megatron_file: bool) -> list[tuple[type[MegatronValue], str]]:
+    """``(class, name)`` pairs for ``torch.serialization.safe_globals``: Megatron's classes, and
+    in a Megatron file (``megatron_file``) its generators, except the names in ``taken``
+    (registered by the user with their real classes)."""
+    pairs = [*_STAND_INS, _GENERATOR] if megatron_file else _STAND_INS
+    return [(cls, name) for cls, name in pairs if name not in taken]

@@ -388,7 +388,7 @@ def test_experts_numbered_past_what_args_give_each_rank_are_refused(tmp_path, nu
         ShardReader(tmp_path).read_metadata()
 
 
-# -- written by Megatron-LM's own save_checkpoint (tests/fixtures/megatron/generate_legacy.py) ----
+# -- written by Megatron-LM's own save_checkpoint (tests/fixtures/megatron/generate_megatron_lm.py) ----
 LEGACY_FIXTURES = ["legacy019_tp2", "legacy019_pp2", "legacy019_ep2_moe", "legacy019_pp2_vpp2"]
 NUMPY1_FIXTURES = {"legacy019_tp2", "legacy019_ep2_moe"}  # written under numpy 1.26
 

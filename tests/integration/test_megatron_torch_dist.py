@@ -7,14 +7,18 @@ import dataclasses
 import os
 import pickle
 import shutil
+import signal
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from dcp_ext import CorruptCheckpointError, ShardReader
+from dcp_ext import CorruptCheckpointError, ShardLoadPlanner, ShardReader
 from dcp_ext.cli.main import main as cli
-from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, load_common_state
+from dcp_ext.formats.stand_ins import megatron_value
+from dcp_ext.megatron import IncompleteSaveError, MegatronOptions, MegatronValue, load_common_state
 from dcp_ext.storage.verify import verify_checkpoint
 
 from megatron_fixtures import COMMON, FLAT, OBJECTS, write_torch_dist
@@ -158,3 +162,30 @@ def test_convert_refuses_a_record_its_file_does_not_hold_before_allocating_its_t
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert f"file '{stored.relative_path}' key '{NORM}': item needs bytes up to {stored.offset + stored.length + 2**45}" in err
+
+
+# -- written by Megatron-LM's own save_checkpoint (tests/fixtures/megatron/generate_megatron_lm.py) --
+MEGATRON_LM_TORCH_DIST = FIXTURES / "megatron" / "megatron_lm019_torch_dist_tp2"
+
+
+def test_megatron_lm_torch_dist_checkpoint_loads_bit_exact_with_its_objects():
+    """A real training run's torch_dist save: every tensor (model and optimizer state) as
+    megatron-core loads it, and its objects through dcp.load: ``common_state`` (args with
+    Megatron's enums, as stand-ins without megatron-core), the rerun state machine's state,
+    the RNG state pickled under numpy 1."""
+    want = load_file(f"{MEGATRON_LM_TORCH_DIST}.expected.safetensors")
+    state, reader = load_tensors(MEGATRON_LM_TORCH_DIST, want)
+    objects = {key: None for key, md in reader.catalog.metadata.state_dict_metadata.items()
+               if isinstance(md, BytesStorageMetadata)}
+    assert {"common_state/shard_0_1", "rerun_state_machine_state/shard_0_2", "rng_state/shard_0.1_1.2"} <= set(objects)
+    dcp.load(objects, storage_reader=ShardReader(MEGATRON_LM_TORCH_DIST), planner=ShardLoadPlanner(), no_dist=True)
+    [common] = objects["common_state/shard_0_1"]
+    assert common["iteration"] == 7 and common["args"].tensor_model_parallel_size == 2
+    assert common["args"].model_type == megatron_value("megatron.core.enums.ModelType", (1,), None)
+    assert common["args"].exit_signal is signal.SIGTERM
+    rerun = common["rerun_state_machine"]
+    assert isinstance(rerun["mode"], MegatronValue) and rerun["mode"].args == ("validate_results",)
+    assert rerun["state"] == megatron_value("megatron.core.rerun_state_machine.RerunState", (0,), None)
+    [[rng]] = objects["rng_state/shard_0.1_1.2"]
+    assert rng["np_rng_state"][0] == "MT19937"
+    assert load_common_state(MEGATRON_LM_TORCH_DIST)["args"] == common["args"]

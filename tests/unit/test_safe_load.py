@@ -170,11 +170,12 @@ def as_megatron(obj) -> bytes:
     })
 
 
-def test_megatron_classes_load_as_inert_stand_ins_in_megatron_files_only():
+@pytest.mark.parametrize("megatron_file", [True, False], ids=["Megatron file", "DCP bytes item"])
+def test_megatron_classes_load_as_inert_stand_ins(megatron_file):
+    """In Megatron-LM's rank files and ``common.pt``, and in the DCP bytes items of its
+    torch_dist / torch_dcp checkpoints (``common_state``, ``args``)."""
     data = as_megatron({"attention_backend": _Backend.auto, "config": _Config(1e-3, (0.9, 0.95))})
-    with pytest.raises(UnsafeCheckpointError, match="megatron.core.transformer.enums.AttnBackend"):
-        safe_torch_load(data, "key 'x'")  # a DCP bytes item: Megatron's classes are not ours to take
-    got = safe_torch_load(data, "f.pt", megatron=True)
+    got = safe_torch_load(data, "f.pt", megatron=megatron_file)
     backend, config = got["attention_backend"], got["config"]
     assert isinstance(backend, MegatronValue) and backend.type_name == "megatron.core.transformer.enums.AttnBackend"
     assert backend.args == (5,) and repr(backend) == "megatron.core.transformer.enums.AttnBackend(5)"
@@ -196,3 +197,15 @@ def test_a_megatron_class_the_user_registered_is_used_instead_of_the_stand_in():
 def test_a_stand_in_rebuilt_from_a_hostile_pickle_is_refused(args):
     with pytest.raises(CheckpointError, match="key 'x'"):
         safe_torch_load(pickle.dumps(Payload(megatron_value, *args), protocol=2), "key 'x'")
+
+
+def test_a_generator_is_a_stand_in_in_megatron_files_only():
+    """Megatron's RNG state may hold CUDA generators, which a machine without a GPU cannot
+    build; anywhere else a ``torch.Generator`` is the user's own and stays refused, never
+    silently replaced by a stand-in."""
+    data = saved({"rng": torch.Generator().manual_seed(3)})
+    with pytest.raises(UnsafeCheckpointError, match="torch._C.Generator"):
+        safe_torch_load(data, "key 'x'")
+    got = safe_torch_load(data, "f.pt", megatron=True)["rng"]
+    assert isinstance(got, MegatronValue) and got.type_name == "torch._C.Generator"
+
