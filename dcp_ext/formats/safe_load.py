@@ -23,7 +23,7 @@ import re
 import signal
 import types
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -32,9 +32,25 @@ import torch
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.faults import shown
-from dcp_ext.formats.stand_ins import megatron_stand_ins, megatron_value
+from dcp_ext.formats.stand_ins import MegatronValue, megatron_stand_ins, megatron_value
 
 _MULTIARRAY = (getattr(np, "_core", None) or np.core).multiarray
+_PLAIN_KINDS = "biufc"  # numpy dtype kinds: bool, int, uint, float, complex
+
+
+def _signal(value: Any) -> signal.Signals:
+    """``signal.Signals(value)`` for a pickle naming the class: a member is shared by the whole
+    process, and registered as a function its type is no allowlisted one, so a pickle's BUILD
+    cannot rename the interpreter's ``SIGTERM``."""
+    return signal.Signals(value)
+
+
+def _posix_path(*parts: Any) -> pathlib.PosixPath:
+    """``pathlib.PosixPath(*parts)`` from strings only, its private slots out of a pickle's reach."""
+    if not all(isinstance(part, str) for part in parts):
+        raise TypeError(f"a path is built from strings, not {[type(p).__name__ for p in parts]}")
+    return pathlib.PosixPath(*parts)
+
 # every plain bool / int / uint / float / complex width, platform aliases included
 _PLAIN_DTYPE_CODES = "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]
 
@@ -44,9 +60,9 @@ SAFE_GLOBALS: list[Any] = [
     bytes,  # ``b""`` pickles as ``bytes()`` (non-empty bytes use ``_codecs.encode``, allowed by torch)
     frozenset,  # a plain container like the ``set`` torch already allows
     types.SimpleNamespace,
-    signal.Signals,  # Megatron-LM's ``args.exit_signal``
-    pathlib.PosixPath,  # building one touches no file
-    (pathlib.PosixPath, "pathlib._local.PosixPath"),  # as Python 3.13 pickles it
+    (_signal, "signal.Signals"),  # Megatron-LM's ``args.exit_signal``
+    (_posix_path, "pathlib.PosixPath"),  # building one touches no file
+    (_posix_path, "pathlib._local.PosixPath"),  # as Python 3.13 pickles it
     megatron_value,  # a Megatron class's stand-in saved again (``stand_ins``)
     np.ndarray,
     np.dtype,
@@ -60,7 +76,7 @@ SAFE_GLOBALS: list[Any] = [
 ]
 ALLOWED_TEXT = (
     "only tensors, plain containers (dict, list, tuple, set, frozenset), bytes, argparse.Namespace, "
-    "types.SimpleNamespace, io.BytesIO, pathlib.PosixPath, signal.Signals, numpy arrays and scalars of "
+    "types.SimpleNamespace, io.BytesIO, pathlib.PosixPath, signal.Signals members, numpy arrays and scalars of "
     "bool/int/uint/float/complex dtypes, and Megatron's own enums and configs (as stand-ins) are allowed"
 )
 
@@ -91,10 +107,21 @@ def safe_torch_load(
         state = _torch_load(source, stream, where, "meta", False, megatron)
         _check_storages(state, entries, where)
         if layout_only:
-            return state
+            return _plain_numpy(state, where)
         if hasattr(stream, "seek"):
             stream.seek(0)
-    return _torch_load(source, stream, where, "cpu", mmap, megatron)
+    return _plain_numpy(_torch_load(source, stream, where, "cpu", mmap, megatron), where)
+
+
+def _plain_numpy(state: Any, where: str) -> Any:
+    """``state``, after refusing any numpy array or scalar of an object, string, structured
+    or datetime dtype: an allowlisted ``numpy.dtype`` or ``ndarray`` call builds one without
+    the dtype class the allowlist leaves out."""
+    for path, value in _leaves(state):
+        dtype = value if isinstance(value, np.dtype) else getattr(value, "dtype", None)
+        if isinstance(value, (np.ndarray, np.generic, np.dtype)) and dtype.kind not in _PLAIN_KINDS:
+            raise UnsafeCheckpointError(f"{where}: {path} is a numpy value of dtype {shown(str(dtype))} ({ALLOWED_TEXT})")
+    return state
 
 
 def _allowed(megatron: bool) -> list[Any]:
@@ -189,7 +216,9 @@ def _check_storages(state: Any, entries: list[_Entry], where: str) -> None:
     if not entries:
         return
     headers = [entry.header for entry in entries]
-    for path, tensor in _tensors(state):
+    for path, tensor in _leaves(state):
+        if not isinstance(tensor, torch.Tensor):
+            continue
         storage = tensor.untyped_storage()
         offset, nbytes = stored_at(tensor, where), storage.nbytes()
         if not nbytes:  # nothing is read (an empty entry's data offset is the next entry's header)
@@ -212,23 +241,35 @@ def _check_storages(state: Any, entries: list[_Entry], where: str) -> None:
         )
 
 
-def _tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) of every tensor in a loaded state: dicts, lists, tuples, sets and
-    ``argparse.Namespace`` walked without recursion, each container once."""
+def _leaves(state: Any) -> Iterator[tuple[str, Any]]:
+    """(path, value) of every value in a loaded state that holds no others, through every
+    container the allowlist admits (dicts, lists, tuples, sets, both namespaces, the Megatron
+    stand-ins' arguments and state), walked without recursion, each container once."""
     stack: list[tuple[str, Any]] = [("", state)]
     seen: set[int] = set()
     while stack:
         path, value = stack.pop()
-        if isinstance(value, torch.Tensor):
+        children = _children(value)
+        if children is None:
             yield shown(path or "(the whole state)"), value
             continue
-        if isinstance(value, argparse.Namespace):
-            value = vars(value)
-        if not isinstance(value, (dict, list, tuple, set, frozenset)) or id(value) in seen:
+        if id(value) in seen:
             continue
         seen.add(id(value))
-        children = value.items() if isinstance(value, dict) else enumerate(value)
         stack.extend(reversed([(f"{path}.{key}" if path else str(key), child) for key, child in children]))  # in order
+
+
+def _children(value: Any) -> Iterable[tuple[Any, Any]] | None:
+    """(key, child) pairs of a container the allowlist admits; None for anything else."""
+    if isinstance(value, dict):
+        return value.items()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return enumerate(value)
+    if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+        return vars(value).items()
+    if isinstance(value, MegatronValue):
+        return (("args", value.args), ("state", value.state))
+    return None
 
 
 def stored_at(tensor: torch.Tensor, where: str) -> int:

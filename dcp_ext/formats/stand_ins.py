@@ -15,6 +15,7 @@ registered with ``torch.serialization.add_safe_globals`` under the same name is 
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 # ``module.Class`` as pickles name them (a class's defining module, not where megatron re-exports it)
@@ -61,6 +62,7 @@ class MegatronValue:
     def __hash__(self) -> int:  # enum members are dict keys at times
         return hash((self.type_name, self.args))
 
+    @reprlib.recursive_repr()  # a hostile state may hold the value itself
     def __repr__(self) -> str:
         inside = ", ".join(map(repr, self.args)) if self.args else ("" if self.state is None else repr(self.state))
         return f"{self.type_name}({inside})"

@@ -10,13 +10,15 @@ import pathlib
 import pickle
 import pickletools
 import signal
+import struct
 import types
+import zipfile
 
 import numpy as np
 import pytest
 import torch
 
-from dcp_ext.errors import CheckpointError, UnsafeCheckpointError
+from dcp_ext.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_ext.formats.safe_load import safe_torch_load
 from dcp_ext.formats.safe_pickle import largest_memo_slot
 from dcp_ext.formats.stand_ins import MegatronValue, megatron_value
@@ -209,3 +211,84 @@ def test_a_generator_is_a_stand_in_in_megatron_files_only():
     got = safe_torch_load(data, "f.pt", megatron=True)["rng"]
     assert isinstance(got, MegatronValue) and got.type_name == "torch._C.Generator"
 
+
+
+class _Reduced:
+    """Pickles as ``func(*args)`` followed by a BUILD of ``state``."""
+
+    def __init__(self, func, args, state):
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self):
+        return self.func, self.args, self.state
+
+
+@pytest.mark.parametrize("megatron_file", [False, True], ids=["DCP bytes item", "Megatron file"])
+def test_a_pickle_cannot_rename_the_interpreters_signals(megatron_file):
+    """``signal.Signals(15)`` is the process's own SIGTERM: a BUILD on it renamed SIGTERM for
+    the whole process (the next save of Megatron's ``args.exit_signal`` then stored SIGKILL)."""
+    data = saved({"exit_signal": _Reduced(signal.Signals, (15,), {"_name_": "SIGKILL", "_value_": 9})})
+    with pytest.raises(CheckpointError, match="key 'x'"):
+        safe_torch_load(data, "key 'x'", megatron=megatron_file)
+    assert signal.SIGTERM.name == "SIGTERM" and signal.SIGTERM.value == 15
+
+
+@pytest.mark.parametrize("value", [
+    _Reduced(pathlib.PosixPath, ("/a",), (None, {"_str": "/etc/passwd"})),
+    _Reduced(pathlib.PosixPath, ("/a",), (None, {"_str": 5})),
+    Payload(pathlib.PosixPath, b"/a"),
+], ids=["forged string", "broken string", "bytes part"])
+def test_a_path_is_built_from_strings_only_and_takes_no_state(value):
+    with pytest.raises(CheckpointError, match="key 'x'"):
+        safe_torch_load(saved({"save": value}), "key 'x'")
+
+
+@pytest.mark.parametrize("code", ["O", "<U2", "<M8[s]", "V8"])
+def test_numpy_dtypes_outside_the_plain_kinds_are_refused_however_built(code):
+    """An allowlisted ``numpy.dtype`` call builds any dtype without the dtype class the
+    allowlist leaves out (a dtype BUILD needs it; an array's state does not)."""
+    dtype = np.dtype(code)
+    for value in (Payload(np.dtype, code), np.zeros(2, dtype=dtype) if code != "O" else np.array(["a", 7], dtype=object)):
+        data = saved({"v": value})
+        with pytest.raises(UnsafeCheckpointError, match="key 'x'"):
+            safe_torch_load(data, "key 'x'")
+
+
+def _storage_claiming(container, claim: int) -> bytes:
+    """``torch.save`` of ``{"secret": 16 floats, "held": container}`` (container holding a
+    4-float tensor), that tensor's storage then claiming ``claim`` elements from byte 4 of its
+    entry: reading it maps the bytes beyond its entry."""
+    buf = io.BytesIO()
+    torch.save({"secret": torch.arange(100, 116, dtype=torch.float32), "held": container}, buf)
+    src, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("/data.pkl"):
+                key = data.index(b"X\x01\x00\x00\x001")  # storage '1': the held tensor's
+                numel = data.index(b"K\x04t", key)
+                offset = data.index(b"QK\x00K\x04", numel)
+                data = (data[:numel] + b"J" + struct.pack("<i", claim) + b"t" + data[numel + 3 : offset]
+                        + b"QJ" + struct.pack("<i", 1) + b"K\x04" + data[offset + 5 :])
+            archive.writestr(info.filename, data)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("container", [
+    types.SimpleNamespace(t=torch.zeros(4)),
+    megatron_value("megatron.core.optimizer.optimizer_config.OptimizerConfig", (), {"t": torch.zeros(4)}),
+], ids=["SimpleNamespace", "Megatron stand-in"])
+def test_tensors_inside_every_admitted_container_are_checked_against_their_entry(tmp_path, container):
+    """A memory-mapped or layout-only load takes a storage's bytes from where its pickle says;
+    a tensor in a SimpleNamespace or a stand-in's state escaped that check and read beyond its entry."""
+    path = tmp_path / "model_optim_rng.pt"
+    path.write_bytes(_storage_claiming(container, 160))
+    for kwargs in ({"mmap": True}, {"layout_only": True}):
+        with pytest.raises(CorruptCheckpointError, match="claims a storage of 640 bytes"):
+            safe_torch_load(str(path), "model_optim_rng.pt", megatron=True, **kwargs)
+
+
+def test_a_stand_in_holding_itself_prints():
+    value = megatron_value("megatron.core.rerun_state_machine.RerunState", (), None)
+    value.state = {"self": value}
+    assert repr(value) == "megatron.core.rerun_state_machine.RerunState({'self': ...})"
