@@ -36,6 +36,7 @@ from dcp_ext.formats.stand_ins import MegatronValue, megatron_stand_ins, megatro
 
 _MULTIARRAY = (getattr(np, "_core", None) or np.core).multiarray
 _PLAIN_KINDS = "biufc"  # numpy dtype kinds: bool, int, uint, float, complex
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None)})
 
 
 def _signal(value: Any) -> signal.Signals:
@@ -256,7 +257,9 @@ def _leaves(state: Any) -> Iterator[tuple[str, Any]]:
         if id(value) in seen:
             continue
         seen.add(id(value))
-        stack.extend(reversed([(f"{path}.{key}" if path else str(key), child) for key, child in children]))  # in order
+        stack.extend(reversed([  # in order; plain values hold nothing to check (a sampler's million indices)
+            (f"{path}.{key}" if path else str(key), child) for key, child in children if type(child) not in _ATOMS
+        ]))
 
 
 def _children(value: Any) -> Iterable[tuple[Any, Any]] | None:
