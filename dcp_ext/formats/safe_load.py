@@ -52,6 +52,7 @@ def _posix_path(*parts: Any) -> pathlib.PosixPath:
         raise TypeError(f"a path is built from strings, not {[type(p).__name__ for p in parts]}")
     return pathlib.PosixPath(*parts)
 
+
 # every plain bool / int / uint / float / complex width, platform aliases included
 _PLAIN_DTYPE_CODES = "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]
 
@@ -119,8 +120,8 @@ def _plain_numpy(state: Any, where: str) -> Any:
     or datetime dtype: an allowlisted ``numpy.dtype`` or ``ndarray`` call builds one without
     the dtype class the allowlist leaves out."""
     for path, value in _leaves(state):
-        dtype = value if isinstance(value, np.dtype) else getattr(value, "dtype", None)
-        if isinstance(value, (np.ndarray, np.generic, np.dtype)) and dtype.kind not in _PLAIN_KINDS:
+        dtype = value if isinstance(value, np.dtype) else value.dtype if isinstance(value, (np.ndarray, np.generic)) else None
+        if dtype is not None and dtype.kind not in _PLAIN_KINDS:
             raise UnsafeCheckpointError(f"{where}: {path} is a numpy value of dtype {shown(str(dtype))} ({ALLOWED_TEXT})")
     return state
 
