@@ -86,6 +86,12 @@ def catalog_format(location: Location) -> CatalogFormat:
     return FORMATS[held_format(location) or "dcp"]
 
 
+def replaced_since_read(location: Location, catalog: Catalog, options: Any = None) -> bool:
+    """Whether the directory's checkpoint is no longer the one ``catalog`` was read from: a
+    newer save was committed into it since (the files its records name may be retired)."""
+    return FORMATS[catalog.format].signature(location, options) != catalog.signature
+
+
 def open_catalog(location: Location, cached: bool = True, options: Any = None, check_options: bool = True) -> tuple[Catalog, bool]:
     """(catalog with every registered view applied, whether metadata was read from storage);
     ``check_options=False`` takes options that do not apply as unset (``dcp-ext inspect``

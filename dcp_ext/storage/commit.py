@@ -90,17 +90,17 @@ def commit(
     crash_point("before-commit")
     require_files(location, referenced)
     set_index_aside(location)
-    publish(location, temps[INDEX_NAME], INDEX_NAME)
+    _rename_into_place(location, temps[INDEX_NAME], INDEX_NAME)
     crash_point("after-index")
     at_commit_point()
-    publish(location, temps[METADATA_NAME], METADATA_NAME)  # the commit point
+    _rename_into_place(location, temps[METADATA_NAME], METADATA_NAME)  # the commit point
     crash_point("before-marker")
-    publish(location, temps[MARKER_NAME], MARKER_NAME)
+    _rename_into_place(location, temps[MARKER_NAME], MARKER_NAME)
     if sync:
         location.sync_directory()
 
 
-def publish(location: Location, temp: str, name: str) -> None:
+def _rename_into_place(location: Location, temp: str, name: str) -> None:
     """Rename this save's ``temp`` into ``name``; a temp file that is gone was removed by
     another save's clean-up (``remove_dead_files`` takes any temp file for a dead save's)."""
     try:

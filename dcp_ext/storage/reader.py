@@ -35,7 +35,7 @@ from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import io_thread_count
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, rank_metadata_name, read_rank_catalog
-from dcp_ext.storage.catalog_formats import FORMATS, open_catalog, with_views
+from dcp_ext.storage.catalog_formats import FORMATS, open_catalog, replaced_since_read, with_views
 from dcp_ext.storage.executors import (
     DEFAULT_BUDGET_BYTES,
     EXECUTORS,
@@ -481,7 +481,7 @@ class ShardReader(StorageReader):
         Either way the cached metadata is dropped, so the next load reads it again."""
         catalog = self._require_catalog()
         METADATA_CACHE.evict(catalog)
-        if FORMATS[catalog.format].signature(self.location, self.megatron) != catalog.signature:
+        if replaced_since_read(self.location, catalog, self.megatron):
             return CheckpointError(
                 f"{self._where(path, key)}: data file is gone because a newer save was committed into "
                 "this directory while the load ran; load again to get the new checkpoint"

@@ -20,7 +20,7 @@ from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault
 from dcp_ext.formats.transforms import decode, record_limit
 from dcp_ext.formats.validate import chunk_faults
 from dcp_ext.storage.catalog import Catalog, stored_metadata_facts
-from dcp_ext.storage.catalog_formats import FORMATS, open_catalog
+from dcp_ext.storage.catalog_formats import FORMATS, open_catalog, replaced_since_read
 from dcp_ext.formats.data_files import is_data_file
 from dcp_ext.storage.location import Location
 
@@ -61,7 +61,7 @@ def verify_checkpoint(
         report.faults.append(str(exc))
         return report
     _check_catalog(catalog, location, report, progress)
-    if report.faults and FORMATS[catalog.format].signature(location, None) != catalog.signature:
+    if report.faults and replaced_since_read(location, catalog):
         # the files looked at were partly the old checkpoint's, partly the new one's (or retired)
         report.changed = True
         report.faults = [
