@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
-from dcp_ext.formats.safe_load import safe_load_bytes
+from dcp_ext.formats.safe_load import decode_bytes_item
 from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
@@ -457,7 +457,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         if self.allow_unsafe_bytes:
             obj = torch.load(value, weights_only=False)
         else:
-            obj = safe_load_bytes(value.getvalue(), f"key {fqn!r}", "ShardLoadPlanner(allow_unsafe_bytes=True)")
+            obj = decode_bytes_item(value, f"key {fqn!r}", "ShardLoadPlanner(allow_unsafe_bytes=True)")
         dst = self.state_dict.get(fqn)
         if isinstance(dst, torch.Tensor):
             number = scalar_for(fqn, dst, obj)

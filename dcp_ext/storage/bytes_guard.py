@@ -5,8 +5,9 @@ DCP's ``DefaultLoadPlanner.load_bytes`` decodes a non-tensor item with
 planner most people pass. So ``ShardReader`` hands every read path (DCP catalog, two-stage
 exchange, Megatron sources) a ``SafeBytesPlanner``: each bytes item is first decoded by
 the restricted loader (``safe_torch_load``), and only bytes that pass reach the caller's
-planner. A refusal raises ``UnsafeCheckpointError`` naming the file, the key and the
-refused globals.
+planner, as ``CheckedBytes`` carrying the decoded object (``ShardLoadPlanner`` takes it
+rather than decode again). A refusal raises ``UnsafeCheckpointError`` naming the file,
+the key and the refused globals.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from dcp_ext.formats.safe_load import safe_load_bytes
+from dcp_ext.formats.safe_load import CheckedBytes, safe_load_bytes
 
 READER_OPT_OUT = "ShardReader(allow_unsafe_bytes=True)"
 
@@ -36,9 +37,9 @@ class SafeBytesPlanner:
         self.commit_tensor = planner.commit_tensor
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        safe_load_bytes(value.getvalue(), self._where(read_item), READER_OPT_OUT)
-        value.seek(0)
-        self._planner.load_bytes(read_item, value)
+        data = value.getvalue()
+        decoded = safe_load_bytes(data, self._where(read_item), READER_OPT_OUT)
+        self._planner.load_bytes(read_item, CheckedBytes(data, decoded))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)

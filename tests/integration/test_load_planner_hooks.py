@@ -9,6 +9,7 @@ called for every tensor item, and where it sends the bytes is where they land.
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -129,3 +130,49 @@ def test_a_save_planner_subclass_that_changes_its_local_items_is_refused(tmp_pat
     out = {k: garbage_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=ShardReader(tmp_path / "logged"), no_dist=True)
     assert planner.logged == 0 and all(torch.equal(out[k], v) for k, v in state.items())
+
+
+class Counted:
+    """An allowlisted class that counts how often a load builds it."""
+
+    built = 0
+
+    def __init__(self, n: int):
+        self.n = n
+        Counted.built += 1
+
+    def __reduce__(self):  # noqa: ANN204
+        return Counted, (self.n,)
+
+
+class Doubling(ShardLoadPlanner):
+    """Rewrites a bytes item before ShardLoadPlanner decodes it."""
+
+    def load_bytes(self, read_item, value):  # noqa: ANN001, ANN201
+        obj = torch.load(value, weights_only=False)
+        rewritten = io.BytesIO()
+        torch.save(Counted(obj.n * 2), rewritten)
+        value.seek(0)
+        value.truncate()
+        value.write(rewritten.getvalue())
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+@pytest.mark.parametrize(
+    ("planner", "built", "n"),
+    [(ShardLoadPlanner, 1, 7), (Doubling, 4, 14)],
+    ids=["ShardLoadPlanner", "subclass rewriting the bytes"],
+)
+def test_a_bytes_item_is_unpickled_once_per_load(tmp_path, planner, built, n):
+    """ShardReader checks every bytes item with the restricted loader before a planner sees
+    it; ShardLoadPlanner, which would decode with the same loader, takes that object (a
+    large item, a sampler's indices, took seconds twice). A subclass that rewrote the bytes
+    gets them decoded anew: reader's check, its own torch.load, its re-save, the decode."""
+    dcp.save({"sampler": Counted(7)}, storage_writer=ShardWriter(tmp_path), no_dist=True)
+    state = {"sampler": None}
+    with torch.serialization.safe_globals([Counted]):
+        Counted.built = 0
+        dcp.load(state, storage_reader=ShardReader(tmp_path), planner=planner(), no_dist=True)
+    assert Counted.built == built
+    assert type(state["sampler"]) is Counted and state["sampler"].n == n
