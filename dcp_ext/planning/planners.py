@@ -437,7 +437,8 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
             local = obj
         else:
             return super().resolve_tensor(read_item)
-        local = local.detach()
+        if local.requires_grad:  # only then: a detach gives up the GIL (formats.torch_record.host_bytes)
+            local = local.detach()
         transform = self.transform_tensor  # a subclass's or an instance's own: called for every item
         if getattr(transform, "__func__", None) is DefaultLoadPlanner.transform_tensor and (
             local.shape == read_item.lengths and not any(read_item.dest_offsets)

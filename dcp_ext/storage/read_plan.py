@@ -34,6 +34,7 @@ from dcp_ext.formats.torch_record import (
     archive_crc_fault,
     check_holds,
     check_within_storage,
+    host_bytes,
     numel,
     parse_tensor_record,
 )
@@ -73,19 +74,19 @@ def storage_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
     """Writable bytes of a tensor's whole storage (index with byte offsets): a memoryview
     of host memory, or a DeviceSpan when the bytes go through host staging."""
     storage = tensor.untyped_storage()
+    if not staged:
+        return host_bytes(storage)
     nbytes = storage.nbytes()
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device if staged else None)
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
     flat.set_(storage, 0, (nbytes,), (1,))
-    return DeviceSpan(flat, extent=nbytes) if staged else memoryview(flat.numpy()).cast("B")
+    return DeviceSpan(flat, extent=nbytes)
 
 
 def tensor_bytes(tensor: torch.Tensor, staged: bool = False) -> Target:
-    """Writable bytes of a contiguous tensor (torch calls a tensor whose last dim has size 1
-    contiguous whatever that dim's stride, which ``view(torch.uint8)`` refuses: its bytes
-    come from the storage)."""
-    fast = tensor.numel() and tensor.dim() and tensor.stride(-1) == 1 and not tensor.requires_grad
-    if not staged and tensor.device.type == "cpu" and fast:
-        return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # a third of the storage detour's cost
+    """Writable bytes of a contiguous tensor: its own memory on the CPU (``host_bytes``),
+    else a span of its storage."""
+    if not staged and tensor.is_cpu and tensor.is_contiguous():
+        return host_bytes(tensor)
     start = tensor.storage_offset() * tensor.element_size()
     return storage_bytes(tensor, staged)[start : start + tensor.numel() * tensor.element_size()]
 

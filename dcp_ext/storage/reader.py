@@ -621,7 +621,9 @@ class ShardReader(StorageReader):
         return whole_record_request(stored, fqn, where, self.verify_checksums, copy_box, limit)
 
     def _destination(self, read_item: ReadItem, planner: LoadPlanner, where: str) -> torch.Tensor:
-        dest = planner.resolve_tensor(read_item).detach()
+        dest = planner.resolve_tensor(read_item)
+        if dest.requires_grad:  # what DCP's reader writes into is detached; a detach that need
+            dest = dest.detach()  # not be made gives up the GIL (``host_bytes``)
         if tuple(dest.shape) != tuple(read_item.lengths):
             raise CheckpointError(
                 f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
