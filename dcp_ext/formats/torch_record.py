@@ -755,7 +755,13 @@ def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """
     if type(tensor) is not torch.Tensor and not is_traceable_wrapper_subclass(tensor):
         tensor = tensor.as_subclass(torch.Tensor)
-    tensor = tensor.detach().resolve_conj().resolve_neg()
+    # each only where it changes something: an operator gives up the GIL (``host_bytes``)
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if (
