@@ -70,13 +70,22 @@ def check_savable(fqn: str, tensor: torch.Tensor) -> None:
 
 
 def _dtensor_item(fqn: str, obj: DTensor, chunk: ChunkStorageMetadata) -> WriteItem:
-    """DCP's ``_create_write_items_for_dtensor`` with the chunk given."""
+    """DCP's ``_create_write_items_for_dtensor`` with the chunk given. DCP takes the
+    properties of ``to_local()``, an autograd call in grad mode (12 us an item); they are
+    the local tensor's, with ``requires_grad`` as ``to_local()`` would return it."""
+    local = obj._local_tensor
     return WriteItem(
         index=MetadataIndex(fqn, chunk.offsets),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=chunk.offsets, sizes=chunk.sizes),
-            properties=TensorProperties.create_from_tensor(obj.to_local()),  # requires_grad as DCP records it
+            properties=TensorProperties(
+                dtype=local.dtype,
+                layout=local.layout,
+                requires_grad=obj.requires_grad if torch.is_grad_enabled() else local.requires_grad,
+                memory_format=torch.contiguous_format,
+                pin_memory=local.is_pinned(),
+            ),
             size=obj.size(),
         ),
     )

@@ -37,6 +37,10 @@ def _compare_with_dcp(rank: int, world: int) -> int:
     ours = local_write_items(state, memo)
     stock = create_default_local_save_plan(state, rank == 0).items
     assert ours == stock, (ours, stock)
+    with torch.no_grad():  # to_local() returns the local tensor itself there: its requires_grad is recorded
+        assert local_write_items(state, {}) == create_default_local_save_plan(state, rank == 0).items
+    with torch.inference_mode():
+        assert local_write_items(state, {}) == create_default_local_save_plan(state, rank == 0).items
     assert len(memo) == (5 if rank < 2 else 4)  # w0-w2 share one; on_submesh only where the rank is in it
     for item in ours:  # the data each item saves: a DTensor's local values
         obj = state[item.index.fqn]
