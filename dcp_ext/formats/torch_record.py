@@ -140,7 +140,10 @@ def host_bytes(memory: torch.Tensor | torch.UntypedStorage) -> memoryview:
     waits for that one's switch interval to get it back (a view plus ``numpy()`` took
     ~2.8 ms instead of 2.7 us beside a busy thread): reader threads and the thread planning
     the next file's requests made each other wait that way, item after item."""
-    nbytes = memory.nbytes if isinstance(memory, torch.Tensor) else memory.nbytes()
+    tensor = isinstance(memory, torch.Tensor)
+    if not (memory.is_cpu if tensor else memory.device.type == "cpu"):  # an address Python must not write through
+        raise ValueError(f"host_bytes takes CPU memory, got {memory.device} memory")
+    nbytes = memory.nbytes if tensor else memory.nbytes()
     array = (ctypes.c_ubyte * nbytes).from_address(memory.data_ptr())
     array.owner = memory  # type: ignore[attr-defined]  # the memoryview holds the array, the array the memory
     return memoryview(array).cast("B")
