@@ -758,9 +758,9 @@ def dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """
     if type(tensor) is not torch.Tensor and not is_traceable_wrapper_subclass(tensor):
         tensor = tensor.as_subclass(torch.Tensor)
-    # each only where it changes something: an operator gives up the GIL (``host_bytes``)
-    if tensor.requires_grad:
-        tensor = tensor.detach()
+    # always detached: a fresh tensor without the Python attributes torch.save would pickle
+    # into the record; the bits resolved only where set (an operator gives up the GIL: ``host_bytes``)
+    tensor = tensor.detach()
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
     if tensor.is_neg():

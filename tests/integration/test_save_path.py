@@ -287,3 +287,23 @@ def test_a_meta_tensor_is_refused_naming_its_key(tmp_path):
     assert re.search(r"/__0_\w+\.distcp key 'layer\.weight': is a meta tensor, which holds no values to save", str(failure))
     assert sorted(os.listdir(tmp_path)) == files
     assert_state_dict_equal(load(before, tmp_path)[0], before)
+
+
+class _Marker:
+    """A Python attribute some frameworks hang on tensors (no allowlisted type)."""
+
+
+def test_a_tensors_python_attributes_stay_out_of_its_record(tmp_path):
+    """A record holds the tensor alone, as stock DCP's writer stores it (it saves a detached
+    tensor): torch.save of a tensor carrying Python attributes pickles them too, which stock
+    loads (``weights_only``) refuse for types they do not know, and a record's frames serve
+    later records of the same kind."""
+    tagged = torch.arange(16.0).reshape(4, 4)
+    tagged.marker = _Marker()
+    plain = torch.arange(16.0).reshape(4, 4) + 100
+    save({"tagged": tagged, "plain": plain}, tmp_path, thread_count=1)
+    stock = {"tagged": torch.full((4, 4), float("nan")), "plain": torch.full((4, 4), float("nan"))}
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    assert_state_dict_equal(stock, {"tagged": tagged, "plain": plain})
+    data = b"".join(path.read_bytes() for path in tmp_path.glob("*.distcp"))
+    assert b"_Marker" not in data and b"_rebuild_from_type_v2" not in data
