@@ -160,6 +160,13 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return _contiguous_strides(tuple(shape))
 
 
+@functools.lru_cache(maxsize=4096)  # once per item a load reads from an index; a model has few distinct kinds
+def dense_layout(payload_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout:
+    """The layout of a record holding one row-major tensor that is its whole storage
+    (every record of ours): one object per kind, not a frozen dataclass built per item."""
+    return TensorLayout(payload_offset, numel(shape) * dtype.itemsize, dtype, shape, contiguous_strides(shape), 0, None)
+
+
 @functools.lru_cache(maxsize=4096)  # twice per item a load reads; a model has few distinct shapes
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1

@@ -30,7 +30,7 @@ from dcp_ext.formats.data_files import rank_prefix
 from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
-from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, contiguous_strides, numel, probed_ranges
+from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, dense_layout, numel, probed_ranges
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
 from dcp_ext.runtime.lru import Lru, clear_caches
 from dcp_ext.runtime.threads import StartedPool, in_background
@@ -150,9 +150,7 @@ class Catalog:
         """
         item = item or self.item(index)
         if item.payload_offset >= 0:
-            dtype, shape = self._chunk_shape(index)
-            return TensorLayout(item.payload_offset - item.offset, numel(shape) * dtype.itemsize, dtype, shape,
-                                contiguous_strides(shape), 0, None)
+            return dense_layout(item.payload_offset - item.offset, *self._chunk_shape(index))
         with self._lock:
             return self._layouts.get(index)
 

@@ -252,7 +252,7 @@ def tensor_requests(
     staging when ``dest`` is off the CPU (``staged`` forces it for a CPU ``dest``: tests)."""
     if numel(box_lengths) == 0:
         return []
-    device = dest.device if staged or dest.device.type != "cpu" else None
+    device = dest.device if staged or not dest.is_cpu else None
     base = item.offset + layout.payload_offset
     whole = device is None and not verify and box_lengths == layout.shape and layout.is_row_major()
     if whole and _direct_capable(dest, layout.dtype) and dest.is_contiguous():  # the common case, kept cheap
