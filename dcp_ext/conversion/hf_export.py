@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_ext.errors import InvalidRequestError, rank_failure
 from dcp_ext.formats.safetensors_format import METADATA_KEY, encode_header
-from dcp_ext.formats.torch_record import numel
+from dcp_ext.formats.torch_record import host_bytes, numel
 from dcp_ext.megatron.base import MegatronOptions
 from dcp_ext.runtime import options
 from dcp_ext.runtime.threads import StartedPool
@@ -221,7 +221,7 @@ def _write_shards(reader: ShardReader, directory: Location, names: list[str], sh
                 state = next(loaded)
                 for tensor in batch:
                     data = state.pop(tensor.key).to(tensor.dtype).contiguous()
-                    f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                    f.write(host_bytes(data))
                 yield sum(t.nbytes for t in batch)
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.errors import CheckpointError
+from dcp_ext.formats.torch_record import host_bytes
 from dcp_ext.observe import PhaseClock
 from dcp_ext.runtime.threads import StartedPool
 from dcp_ext.storage.executors import TASK_BYTES, LoadIdentity, ReadSettings, file_tasks, register_executor, task_limit
@@ -222,7 +223,7 @@ class TwoStageExchange:
         took 10x the plain reader's time."""
         mine = [n for n in batch if segments[n].reader == self.rank]  # in file order, as segments are
         block = torch.empty(sum(segments[n].nbytes for n in mine), dtype=torch.uint8)
-        data = memoryview(block.numpy())
+        data = host_bytes(block)
         buffers, views, position = {}, {}, 0
         for n in mine:
             end = position + segments[n].nbytes
@@ -338,10 +339,10 @@ class _Pieces:
         if whole is None and packed is None:
             return
         if whole is not None:
-            source, position = memoryview(whole.numpy()), {segment.start: 0}
+            source, position = host_bytes(whole), {segment.start: 0}
             spans = [(segment.start, segment.end)]
         else:
-            source, position, cursor = memoryview(packed.numpy()), {}, 0
+            source, position, cursor = host_bytes(packed), {}, 0
             spans = segment.wanted(rank)
             for a, b in spans:
                 position[a] = cursor

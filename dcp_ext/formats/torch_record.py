@@ -143,6 +143,8 @@ def host_bytes(memory: torch.Tensor | torch.UntypedStorage) -> memoryview:
     tensor = isinstance(memory, torch.Tensor)
     if not (memory.is_cpu if tensor else memory.device.type == "cpu"):  # an address Python must not write through
         raise ValueError(f"host_bytes takes CPU memory, got {memory.device} memory")
+    if tensor and not memory.is_contiguous():  # its bytes are not the nbytes from its address
+        raise ValueError(f"host_bytes takes a contiguous tensor, got strides {memory.stride()} for shape {list(memory.shape)}")
     nbytes = memory.nbytes if tensor else memory.nbytes()
     array = (ctypes.c_ubyte * nbytes).from_address(memory.data_ptr())
     array.owner = memory  # type: ignore[attr-defined]  # the memoryview holds the array, the array the memory

@@ -31,6 +31,7 @@ from typing import Any, Union
 
 import torch
 
+from dcp_ext.formats.torch_record import host_bytes
 from dcp_ext.storage.location import RangeReader
 
 STAGING_BUFFERS = 4  # host buffers one load may hold: 128 MiB with the default size
@@ -183,7 +184,7 @@ class HostCopies:
                 try:
                     piece = buffer[:n]
                     piece.copy_(flat[start : start + n])  # device to host: returns once the copy is done
-                    write(memoryview(piece.numpy()))
+                    write(host_bytes(piece))
                 finally:
                     self.pool.release(buffer)
 
@@ -263,7 +264,7 @@ class DeviceStaging:
                     while done < target.nbytes:
                         if buffer is None:
                             buffer, used = self.pool.acquire(), 0
-                            view = memoryview(buffer.numpy())
+                            view = host_bytes(buffer)
                         n = min(target.nbytes - done, self.pool.buffer_bytes - used)
                         current.append(view[used : used + n])
                         pieces.append(_Piece(target, done, n, used))
@@ -286,7 +287,7 @@ class DeviceStaging:
         total = reader.read_runs([(offset, views) for offset, views in host_runs if views])
         if buffer is None:
             return total
-        host = memoryview(buffer.numpy())
+        host = host_bytes(buffer)
         for piece in pieces:
             if piece.span.tap is not None:
                 piece.span.tap(host[piece.start : piece.start + piece.nbytes])

@@ -33,6 +33,11 @@ def test_the_view_keeps_the_memory_alive():
     assert np.array_equal(np.frombuffer(view, np.int32), np.arange(1 << 16, dtype=np.int32))
 
 
+def test_a_strided_tensor_is_refused():
+    with pytest.raises(ValueError, match="contiguous"):
+        host_bytes(torch.zeros(4, 4).t())
+
+
 def test_memory_off_the_cpu_is_refused():
     with pytest.raises(ValueError, match="meta"):
         host_bytes(torch.empty(4, device="meta"))
