@@ -425,10 +425,10 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         itself, and either is narrowed as DCP does. Anything else is DCP's (and its errors).
 
         The local tensor is what ``to_local()`` returns a view of through an autograd
-        function (~3.5 us a call): the bytes land in the same storage either way. It is
-        detached before it is narrowed: ``DTensor.from_local`` over a tensor that requires
-        grad holds a view made in no-grad mode, and narrowing that again once a read wrote
-        into it in place raised autograd's "view was created in no_grad mode"."""
+        function (~3.5 us a call): the bytes land in the same storage either way. One that
+        requires grad is detached before it is narrowed: ``DTensor.from_local`` over a tensor
+        that requires grad holds a view made in no-grad mode, and narrowing that again once a
+        read wrote into it in place raised autograd's "view was created in no_grad mode"."""
         fqn = read_item.dest_index.fqn
         obj = self.state_dict.get(fqn)
         if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:  # not torchrec's LocalShardsWrapper
