@@ -41,6 +41,7 @@ from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, torch_sizes
 from dcp_ext.formats.data_files import check_relative_name
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts
 from dcp_ext.formats.index_checks import INT64_MAX, KeyChecks, KeyGroups, chunk_boxes
+from dcp_ext.runtime.frozen import frozen
 from dcp_ext.runtime.gc_pause import gc_paused
 
 INDEX_NAME = ".dcp_ext_index.parquet"
@@ -822,14 +823,15 @@ class IndexedCopies(Mapping[MetadataIndex, list[StoredItem]]):
 
 
 def _indices(rows: _KeyRows) -> Iterator[MetadataIndex]:
-    """Every row's MetadataIndex, key by key."""
+    """Every row's MetadataIndex, key by key (without the constructor, which copies each
+    offset into a new torch.Size: a third of an index load's time; each already is one)."""
     for k in np.flatnonzero(np.diff(rows.bounds)).tolist():
         name = rows.keys.names[k]
         if not rows.keys.is_tensor[k]:
-            yield from (_metadata_index(name, None) for _ in range(len(rows.rows(k))))
+            yield from (frozen(MetadataIndex, fqn=name, offset=None, index=None) for _ in range(len(rows.rows(k))))
             continue
         for offset in torch_sizes(rows.boxes(k)[0]):
-            yield _metadata_index(name, offset)
+            yield frozen(MetadataIndex, fqn=name, offset=offset, index=None)
 
 
 class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):
@@ -861,14 +863,6 @@ class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):
 
     def __reduce__(self) -> tuple[type, tuple[dict[MetadataIndex, _StorageInfo]]]:
         return dict, (self._data(),)
-
-
-def _metadata_index(fqn: str, offset: torch.Size | None) -> MetadataIndex:
-    """``MetadataIndex(fqn, offset)`` without its constructor, which copies ``offset`` into
-    a new torch.Size (a third of an index load's time); ``offset`` already is one."""
-    index = object.__new__(MetadataIndex)
-    index.__dict__.update(fqn=fqn, offset=offset, index=None)
-    return index
 
 
 def _transform_names(joined: object) -> tuple[str, ...]:

@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_tensor, _create_read_items
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.planning.local_shards import ChunkMemo, local_chunks
+from dcp_ext.runtime.frozen import frozen
 from dcp_ext.runtime.gc_pause import gc_paused
 
 LocalShard = tuple[str, int, ChunkStorageMetadata]  # key, index in the tensor's chunk list, its box
@@ -105,16 +106,19 @@ def _batch_read_items(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarra
     shard_of = np.repeat(np.arange(len(shards)), counts)[hits]
     row = hits - bounds[shard_of]  # the saved chunk's place in its key's chunk list
     columns = (first - start)[hits], off[hits], (first - off)[hits], (last - first)[hits]
+    # DCP's _create_read_item_for_tensor's items, built without their constructors (frozen)
+    dest_indexes = [frozen(MetadataIndex, fqn=fqn, offset=chunk.offsets, index=i) for fqn, i, chunk in shards]
     items = []
     for s, r, dest, saved, storage, lengths in zip(shard_of.tolist(), row.tolist(), *(c.tolist() for c in columns)):
-        fqn, local_idx, chunk = shards[s]
         items.append(
-            _create_read_item_for_tensor(
-                dest_index=MetadataIndex(fqn, chunk.offsets, local_idx),
-                dest_offsets=dest,
-                storage_index=MetadataIndex(fqn, torch.Size(saved), r),
-                storage_offsets=storage,
-                lengths=lengths,
+            frozen(
+                ReadItem,
+                type=LoadItemType.TENSOR,
+                dest_index=dest_indexes[s],
+                dest_offsets=torch.Size(dest),
+                storage_index=frozen(MetadataIndex, fqn=shards[s][0], offset=torch.Size(saved), index=r),
+                storage_offsets=torch.Size(storage),
+                lengths=torch.Size(lengths),
             )
         )
     return items, shard_of

@@ -1,17 +1,21 @@
 """Planner mixins: checkpoint placements and the replica check inside ShardSave/LoadPlanner.
 
 Mixins (rather than code in planners.py) keep the placement logic in one place that both
-planners share, on top of whatever else the planners do.
+planners share, on top of whatever else the planners do. Their set-up hands the state dict
+to DCP's, or, where DCP's walks would only flatten it, sets what DCP's sets from its flat
+view (``flat_state``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.errors import InvalidRequestError
+from dcp_ext.planning.flat_state import FlatView, flat_view
 from dcp_ext.planning.placements import PlacementFn, checkpoint_state_dict
 from dcp_ext.runtime import options
 
@@ -54,7 +58,13 @@ class PlacementSaveMixin:
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
-        super().set_up_planner(self._placements.apply(state_dict), storage_meta, is_coordinator)  # type: ignore[misc]
+        state_dict = self._placements.apply(state_dict)
+        view = _flat_view_for(self, PlacementSaveMixin, DefaultSavePlanner, state_dict)
+        if view is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)  # type: ignore[misc]
+            return
+        self.state_dict, self.mappings = view  # what DefaultSavePlanner.set_up_planner sets
+        self.is_coordinator = is_coordinator
 
 
 class PlacementLoadMixin:
@@ -70,6 +80,23 @@ class PlacementLoadMixin:
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        super().set_up_planner(self._placements.apply(state_dict), metadata, is_coordinator)  # type: ignore[misc]
+        placed = self._placements.apply(state_dict)
+        view = _flat_view_for(self, PlacementLoadMixin, DefaultLoadPlanner, placed)
+        if view is None:
+            super().set_up_planner(placed, metadata, is_coordinator)  # type: ignore[misc]
+        else:  # what DefaultLoadPlanner.set_up_planner sets
+            self.state_dict, self.mappings = view
+            self.metadata, self.is_coordinator = metadata, is_coordinator
         # Non-tensor items (param_groups, ...) must land in the caller's dict, not our copy.
         self.original_state_dict = state_dict
+
+
+def _flat_view_for(planner: Any, mixin: type, default: type, state_dict: dict[str, Any]) -> FlatView | None:
+    """The state dict's flat view (``flat_state``) when the set-up ``mixin`` hands over to
+    is ``default``'s own, with both of its flattening options on (each off changes what it
+    sets), and the state dict is one the view serves; else None."""
+    mro = type(planner).__mro__
+    following = next(c for c in mro[mro.index(mixin) + 1 :] if "set_up_planner" in c.__dict__)
+    if following is not default or not (planner.flatten_state_dict and planner.flatten_sharded_tensors):
+        return None
+    return flat_view(state_dict)

@@ -35,6 +35,7 @@ from dcp_ext.formats.torch_record import (
     check_holds,
     check_within_storage,
     host_bytes,
+    math_bits,
     numel,
     parse_tensor_record,
 )
@@ -110,7 +111,7 @@ class Scratch:
 
 
 def _direct_capable(dest: torch.Tensor, dtype: torch.dtype) -> bool:
-    return dest.dtype == dtype and not dest.is_conj() and not dest.is_neg()
+    return dest.dtype == dtype and not any(math_bits(dest))
 
 
 @dataclass(frozen=True)
