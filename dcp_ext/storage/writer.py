@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CheckpointExistsError, InvalidRequestError
+from dcp_ext.formats.chunk_lists import MetadataOnDemand
 from dcp_ext.formats.data_files import data_file_name
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
@@ -358,6 +359,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         metadata.storage_data = {index: item.storage_info() for index, item in stored.items()}
         metadata.storage_meta = self._storage_meta()
         metadata_bytes = pickle.dumps(metadata)
+        if isinstance(metadata, MetadataOnDemand):  # what DCP broadcasts next: these bytes again
+            metadata.broadcast_as(metadata_bytes)
         crc = crc32c.crc32c(metadata_bytes)
         index_bytes = encode_index(metadata, stored, metadata_bytes, crc, copies)
         referenced = {item.relative_path for item in stored.values()}

@@ -1,0 +1,61 @@
+"""The ``Metadata`` a save returns: on every rank the checkpoint's ``.metadata``, though
+DCP's broadcast of it reuses the bytes the writer wrote (``MetadataOnDemand.broadcast_as``)
+rather than pickling it again; any other pickle of it is made afresh."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dcp_ext import ShardSavePlanner, ShardWriter
+from dcp_ext.formats.chunk_lists import MetadataOnDemand
+
+from mp import run_job
+
+
+def _fields(md: Metadata) -> tuple:
+    return md.state_dict_metadata, md.storage_data, md.storage_meta, md.planner_data, md.version
+
+
+def _file_metadata(path: Path) -> Metadata:
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _save_on_ranks(rank: int, world_size: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {
+        "model": {f"w{i}": DTensor.from_local(torch.full((2, 3), float(rank * 10 + i)), mesh, [Shard(0)]) for i in range(5)},
+        "step": 3,
+    }
+    md = dcp.save(state, storage_writer=ShardWriter(path), planner=ShardSavePlanner())
+    written = _file_metadata(Path(path))
+    assert dict(md.state_dict_metadata) == written.state_dict_metadata
+    assert _fields(md)[1:] == _fields(written)[1:]
+    if rank == 0:
+        assert type(md) is MetadataOnDemand and "_pickled" not in vars(md)  # the broadcast took the bytes
+    else:
+        assert type(md) is Metadata  # what DCP's broadcast delivered: the file's metadata
+
+
+@pytest.mark.mp
+def test_every_rank_gets_the_checkpoints_metadata(tmp_path):
+    run_job(_save_on_ranks, 2, str(tmp_path / "ckpt"))
+
+
+def test_a_pickle_other_than_the_broadcast_is_made_afresh(tmp_path):
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 3}
+    md = dcp.save(state, storage_writer=ShardWriter(tmp_path / "ckpt"), planner=ShardSavePlanner(), no_dist=True)
+    assert type(md) is MetadataOnDemand and "_pickled" in vars(md)  # no broadcast in one process
+    md.planner_data = {"changed": ("after", "the save")}  # the caller changes what it got back
+    again = pickle.loads(pickle.dumps(md))
+    assert type(again) is Metadata and again.planner_data == {"changed": ("after", "the save")}
+    assert "_pickled" not in vars(md)  # once only: any pickle clears it
+    assert _fields(again)[:3] == _fields(_file_metadata(tmp_path / "ckpt"))[:3]
