@@ -682,6 +682,35 @@ class _KeyRows:
             self._found[at] = found
         return found
 
+    def find_hinted(self, ks: np.ndarray, offsets: list[tuple[int, ...]], hints: np.ndarray) -> np.ndarray:
+        """``find`` for many chunks at once where the key's row is known without a search
+        (the key's only row, or the hint's: the common case); their answers are remembered
+        as ``find``'s. Returns, per chunk, its row, -1 where none starts at its offset, -2
+        where ``find`` must search (no usable hint, a chunk of a bytes key or of another ndim).
+        A load's first lookups of a fresh index took ~10 us a chunk one by one."""
+        counts = self.bounds[ks + 1] - self.bounds[ks]
+        ndim = np.array([len(offset) for offset in offsets], np.int64)
+        usable = self.keys.is_tensor[ks] & (ndim == self.keys.ndim[ks]) & (
+            (counts == 1) | (self.one_per_offset & (hints >= 0) & (hints < counts)))
+        out = np.full(len(ks), -2, np.int64)
+        picked = np.flatnonzero(usable)
+        self._checks.ensure_all(ks[picked])
+        at = self.bounds[ks[picked]] + np.where(counts[picked] == 1, 0, hints[picked])
+        guess = self._groups.order[at].astype(np.int64)
+        for nd in np.flatnonzero(np.bincount(ndim[picked])).tolist() if len(picked) else ():
+            of_nd = np.flatnonzero(ndim[picked] == nd)
+            wanted = np.array([offsets[i] for i in picked[of_nd].tolist()], np.int64).reshape(len(of_nd), nd)
+            stored = self._cols.off_values[self._cols.off_start[guess[of_nd]][:, None] + np.arange(nd)]
+            hit = (stored == wanted).all(axis=1)
+            out[picked[of_nd]] = np.where(hit, guess[of_nd], np.where(counts[picked[of_nd]] == 1, -1, -2))
+        if len(self._found) + len(picked) >= FIND_MEMO_ENTRIES:
+            self._found.clear()
+        order = self._groups.order
+        for i, k, row, place in zip(picked.tolist(), ks[picked].tolist(), out[picked].tolist(), at.tolist()):
+            if row != -2:  # what find would answer: the hinted row, or no row for a key's only chunk
+                self._found[(k, offsets[i])] = order[place : place + 1] if row >= 0 else order[:0]
+        return out
+
     def sizes(self, k: int, row: int) -> tuple[int, ...]:
         """The chunk sizes of row ``row`` (of tensor key ``k``)."""
         return self._values(self._cols.size_values, self._cols.size_start, k, row)
@@ -767,6 +796,39 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
             )
             self._made[row] = item
         return item
+
+    def items_of(self, indices: list[MetadataIndex]) -> list[StoredItem | None]:
+        """``self.get(index)`` for many indices: the rows found at once where hints allow
+        (``_KeyRows.find_hinted``) and their items built from column slices; the rest one
+        by one."""
+        key_of = self._key_of
+        ks = np.array([key_of.get(index.fqn, -1) if index.offset is not None else -1 for index in indices], np.int64)
+        known = np.flatnonzero(ks >= 0)  # a key's index without an offset (a bytes item's) is looked up alone
+        offsets = [tuple(indices[i].offset) for i in known.tolist()]
+        hints = np.array([h if type(h := indices[i].index) is int else -1 for i in known.tolist()], np.int64)
+        rows = np.full(len(indices), -2, np.int64)
+        rows[known] = self._rows.find_hinted(ks[known], offsets, hints)
+        self._make(np.unique(rows[rows >= 0]), indices, rows)
+        made = self._made
+        return [made[row] if row >= 0 else None if row == -1 else self.get(index) for index, row in zip(indices, rows.tolist())]
+
+    def _make(self, rows: np.ndarray, indices: list[MetadataIndex], row_of: np.ndarray) -> None:
+        """Build the items of ``rows`` not built yet, from column slices."""
+        rows = rows[[row not in self._made for row in rows.tolist()]]
+        if not len(rows):
+            return
+        fqn_of = dict(zip(row_of.tolist(), (index.fqn for index in indices)))
+        cols = self._cols
+        names, codes = cols.file_names, cols.transforms[rows].tolist()
+        checksums = np.where(cols.has_checksum[rows], cols.checksum[rows].astype(np.int64), -1).tolist()
+        for row, file, offset, length, payload, checksum, code in zip(
+            rows.tolist(), cols.file[rows].tolist(), cols.offset[rows].tolist(), cols.length[rows].tolist(),
+            cols.payload[rows].tolist(), checksums, codes,
+        ):
+            self._made[row] = StoredItem(
+                names.name(file, fqn_of[row]), offset, length, payload, None if checksum < 0 else checksum,
+                _transform_names(cols.transform_names[code]) if code >= 0 else (),
+            )
 
     def _found(self, index: object) -> np.ndarray:
         k = self._key_of.get(index.fqn) if isinstance(index, MetadataIndex) else None

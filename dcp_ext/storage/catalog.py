@@ -27,7 +27,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats.data_files import rank_prefix
-from dcp_ext.formats.index import INDEX_NAME, PREVIOUS_INDEX_NAME, IndexedCheckpoint, IndexedKeys, StoredItem, decode_index
+from dcp_ext.formats.index import (
+    INDEX_NAME,
+    PREVIOUS_INDEX_NAME,
+    IndexedCheckpoint,
+    IndexedItems,
+    IndexedKeys,
+    StoredItem,
+    decode_index,
+)
 from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_holds, dense_layout, numel, probed_ranges
@@ -132,6 +140,14 @@ class Catalog:
             return None
         md, chunk = self.chunk(index)
         return numel(tuple(chunk.sizes)) * md.properties.dtype.itemsize
+
+    def stored_items(self, indices: list[MetadataIndex], rank: int | None = None) -> list[StoredItem]:
+        """``item`` of each index, or with ``rank`` its ``item_for_rank``: an index load's
+        found at once (``IndexedItems.items_of``), a load's first lookups in a fresh index."""
+        if isinstance(self.items, IndexedItems) and not (rank is not None and self.copies):
+            found = self.items.items_of(indices)
+            return [self.item(index) if item is None else item for item, index in zip(found, indices)]
+        return [self.item(index) if rank is None else self.item_for_rank(index, rank) for index in indices]
 
     def item_for_rank(self, index: MetadataIndex, rank: int) -> StoredItem:
         """The copy of an item in ``rank``'s own data files if one exists, else the canonical one."""

@@ -290,7 +290,7 @@ class ShardReader(StorageReader):
         identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint)
         commits: list[Callable[[], None]] = []
         try:
-            stored = [self._stored(catalog, item.storage_index) for item in plan.items]
+            stored = self._stored(catalog, [item.storage_index for item in plan.items])
             self._check_destinations_filled(catalog, plan, planned_by)
             self._check_files((item.storage_index.fqn, record) for item, record in zip(plan.items, stored))
             requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
@@ -347,13 +347,13 @@ class ShardReader(StorageReader):
 
     def _bytes_where(self, read_item: ReadItem) -> str:
         index = read_item.storage_index
-        return self._where(self._stored(self._require_catalog(), index).relative_path, index.fqn)
+        return self._where(self._stored(self._require_catalog(), [index])[0].relative_path, index.fqn)
 
-    def _stored(self, catalog: Catalog, index: MetadataIndex) -> StoredItem:
-        """The record a load reads: this rank's TP-replica copy when it has one, but the
-        canonical record in a two-stage load, where the group reads each record once and
-        ranks asking for their own copies would share nothing."""
-        return catalog.item(index) if self.two_stage else catalog.item_for_rank(index, self.rank)
+    def _stored(self, catalog: Catalog, indices: list[MetadataIndex]) -> list[StoredItem]:
+        """The records a load reads: this rank's TP-replica copies where it has them, but
+        the canonical records in a two-stage load, where the group reads each record once
+        and ranks asking for their own copies would share nothing."""
+        return catalog.stored_items(indices, None if self.two_stage else self.rank)
 
     def _requests(
         self,
