@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _cr
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
+from dcp_ext.runtime.frozen import frozen
 
 ChunkMemo = dict[tuple[Any, ...], list[ChunkStorageMetadata]]  # DTensor layout -> its local chunks
 # sub-byte integer dtypes: torch.save has no storage type for them
@@ -74,10 +75,12 @@ def _dtensor_item(fqn: str, obj: DTensor, chunk: ChunkStorageMetadata) -> WriteI
     properties of ``to_local()``, an autograd call in grad mode (12 us an item); they are
     the local tensor's, with ``requires_grad`` as ``to_local()`` would return it."""
     local = obj._local_tensor
-    return WriteItem(
-        index=MetadataIndex(fqn, chunk.offsets),
+    return frozen(  # DCP's frozen dataclasses built without their constructors (runtime.frozen)
+        WriteItem,
+        index=frozen(MetadataIndex, fqn=fqn, offset=chunk.offsets, index=None),
         type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
+        tensor_data=frozen(
+            TensorWriteData,
             chunk=ChunkStorageMetadata(offsets=chunk.offsets, sizes=chunk.sizes),
             properties=TensorProperties(
                 dtype=local.dtype,
