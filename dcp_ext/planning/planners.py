@@ -205,7 +205,8 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         if units is not None:
             return units.rows.tolist(), []
         world = dist.get_world_size()
-        alone = {fqn for fqn, obj in self.state_dict.items() if held_alone(obj, world)}
+        mesh_sizes: dict[int, int] = {}
+        alone = {fqn for fqn, obj in self.state_dict.items() if held_alone(obj, world, mesh_sizes)}
         marked = [
             row for row, item in enumerate(items)
             if item.index.fqn in alone and math.prod(item.tensor_data.chunk.sizes) > 0  # type: ignore[union-attr]
