@@ -61,15 +61,38 @@ def test_a_nested_state_dict_sets_up_as_dcps_planner_does(ours, dcps):
     _assert_set_up_like_dcp(ours(), dcps(), state)
 
 
+def _optimizer_state() -> dict:
+    w, b = torch.randn(4, 3), torch.randn(4)
+    return {
+        "model": {"w": w, "b": b},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 3)}, "b": {"step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": ["w", "b"], "nested": [[1, 2], (3,)]}],
+        },
+        "schedulers": [torch.ones(2), {"last_epoch": 4}, [5, 6]],  # a list DCP walks into, element by element
+    }
+
+
+@pytest.mark.parametrize(("ours", "dcps"), PAIRS)
+def test_an_optimizers_lists_set_up_as_dcps_planner_does(ours, dcps):
+    state = _optimizer_state()
+    view = flat_view(state)
+    assert view is not None and "optim.param_groups.0.params" in view[0] and "schedulers.1.last_epoch" in view[0]
+    assert view[1]["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+    _assert_set_up_like_dcp(ours(), dcps(), state)
+
+
 @pytest.mark.parametrize(("ours", "dcps"), PAIRS)
 @pytest.mark.parametrize(
     "state",
     [
-        {"model": {"w": torch.ones(2)}, "groups": [{"lr": 0.1, "params": [0, 1]}]},  # lists: DCP walks them
         {"model": {0: torch.ones(2)}},  # a key DCP turns into a string
-        {"model": {"w": torch.ones(2)}, "pair": (torch.ones(1), 2)},  # a tuple
+        {"model": {"w": torch.ones(2)}, "pair": (torch.ones(1), 2)},  # a tuple holding a tensor
+        {"model": {"w": torch.ones(2)}, "groups": [{}, torch.ones(1)]},  # DCP's rebuild puts None for the {}
+        {"model": {"w": torch.ones(2)}, "other": object()},  # an object DCP's load set-up replaces with None
+        {"model": {"w": torch.ones(2)}, "groups": [(torch.ones(1),), torch.ones(1)]},  # a tuple with a tensor in a list
     ],
-    ids=["list", "int-key", "tuple"],
+    ids=["int-key", "tuple", "empty-dict-in-list", "object", "tuple-in-list"],
 )
 def test_what_the_view_does_not_serve_goes_dcps_way(ours, dcps, state):
     assert flat_view(state) is None
