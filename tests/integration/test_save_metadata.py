@@ -59,3 +59,15 @@ def test_a_pickle_other_than_the_broadcast_is_made_afresh(tmp_path):
     assert type(again) is Metadata and again.planner_data == {"changed": ("after", "the save")}
     assert "_pickled" not in vars(md)  # once only: any pickle clears it
     assert _fields(again)[:3] == _fields(_file_metadata(tmp_path / "ckpt"))[:3]
+
+
+def test_torchs_object_collective_sends_the_bytes_given(tmp_path):
+    from torch.distributed.distributed_c10d import _object_to_tensor, _tensor_to_object
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}}
+    md = dcp.save(state, storage_writer=ShardWriter(tmp_path / "ckpt"), planner=ShardSavePlanner(), no_dist=True)
+    md.broadcast_as(pickle.dumps({"stands": "in"}))  # what the collective sends is these bytes, not a new pickle
+    sent, size = _object_to_tensor(md, torch.device("cpu"), None)
+    assert _tensor_to_object(sent, size, None) == {"stands": "in"}
+    sent, size = _object_to_tensor(md, torch.device("cpu"), None)  # once only: then a pickle of the object
+    assert _fields(_tensor_to_object(sent, size, None))[:3] == _fields(_file_metadata(tmp_path / "ckpt"))[:3]
