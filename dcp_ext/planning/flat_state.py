@@ -24,7 +24,8 @@ from torch.distributed.checkpoint import _version
 from torch.distributed.tensor import DTensor
 
 _TENSORS = (torch.Tensor, DTensor)
-_SCALARS = frozenset((int, float, bool, complex, str, bytes, type(None), io.BytesIO))  # DCP's walks pass them as they are
+# what DCP's walks pass as they are (a load's set-up turns any other object, a complex number too, into None)
+_SCALARS = frozenset((int, float, bool, str, bytes, type(None), io.BytesIO))
 
 FlatView = tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]  # DCP's flattened state dict and its mappings
 

@@ -90,9 +90,10 @@ def test_an_optimizers_lists_set_up_as_dcps_planner_does(ours, dcps):
         {"model": {"w": torch.ones(2)}, "pair": (torch.ones(1), 2)},  # a tuple holding a tensor
         {"model": {"w": torch.ones(2)}, "groups": [{}, torch.ones(1)]},  # DCP's rebuild puts None for the {}
         {"model": {"w": torch.ones(2)}, "other": object()},  # an object DCP's load set-up replaces with None
+        {"model": {"w": torch.ones(2)}, "z": 1 + 2j, "zs": [1j]},  # complex numbers: the same
         {"model": {"w": torch.ones(2)}, "groups": [(torch.ones(1),), torch.ones(1)]},  # a tuple with a tensor in a list
     ],
-    ids=["int-key", "tuple", "empty-dict-in-list", "object", "tuple-in-list"],
+    ids=["int-key", "tuple", "empty-dict-in-list", "object", "complex", "tuple-in-list"],
 )
 def test_what_the_view_does_not_serve_goes_dcps_way(ours, dcps, state):
     assert flat_view(state) is None
