@@ -30,7 +30,7 @@ hashes only), finish (one rank expanding its assignment), metadata write
 
 Load side (HSDP only): one rank (rank 1, loading the shards it saved) in a fresh child
 process, so its memory is its own: ``ShardReader.read_metadata`` + the local plan from
-the index's columns (``load_plan.tensor_read_items``), against stock
+the index's columns (``load_plan.tensor_reads``, as ReadItems), against stock
 ``FileSystemReader.read_metadata`` + DCP's ``create_read_items_for_chunk_list``; the
 coordinator's load step for N ranks (N empty ShardLoadPlanner plans unpickled, DCP's and
 the reader's global step, pickled back), against stock's, extrapolated from one rank's
@@ -75,7 +75,7 @@ from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.planning.digest_exchange import first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, plan_globally
-from dcp_ext.planning.load_plan import tensor_read_items
+from dcp_ext.planning.load_plan import tensor_reads
 from dcp_ext.planning.local_plan import ShardLocalPlan, assigned_items
 from dcp_ext.planning.plan_cache import cached_plan, clear_plan_cache, plan_id, plan_key, remember_plan
 from dcp_ext.planning.replica_units import check_units, unit_hashes, with_units
@@ -452,7 +452,7 @@ def run_probe(kind: str, path: str, shards: int, layers: int) -> None:
             out["metadata_seconds"] = round(time.perf_counter() - start, 4)
             out["metadata_bytes_read"] = bytes_read() - read_before
             keys = metadata.state_dict_metadata
-            items = tensor_read_items(keys, [(fqn, 0, chunk) for fqn, chunk in chunks.items() if keys.facts(fqn) is not None])
+            items = tensor_reads(keys, [(fqn, 0, chunk) for fqn, chunk in chunks.items() if keys.facts(fqn) is not None]).read_items()
         else:
             metadata = FileSystemReader(path).read_metadata()
             out["metadata_seconds"] = round(time.perf_counter() - start, 4)

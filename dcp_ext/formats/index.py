@@ -633,16 +633,17 @@ class _KeyRows:
         """(offsets, sizes) of key ``k``'s rows, (rows, ndim) int64 each."""
         return chunk_boxes(self._cols, self.rows(k), int(self.keys.ndim[k]))
 
-    def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(bounds, offsets, sizes) of tensor keys ``ks``' rows (keys of one ndim; a key may
-        repeat), checked, key after key: key ``i``'s at ``bounds[i]:bounds[i + 1]``."""
+    def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(bounds, offsets, sizes, rows) of tensor keys ``ks``' rows (keys of one ndim; a key
+        may repeat), checked, key after key: key ``i``'s at ``bounds[i]:bounds[i + 1]``;
+        ``rows`` are their index rows (``IndexedItems.items_at``)."""
         ndim = self.keys.ndim[ks]
         if bool((ndim != ndim[0]).any()):  # one ndim's values per row, or rows would be misread
             raise ValueError(f"stacked_boxes takes keys of one ndim, got ndims {sorted(set(ndim.tolist()))}")
         rows, bounds = self._groups.stacked(ks)
         off, size = chunk_boxes(self._cols, rows, int(ndim[0]))
         self._checks.check_stacked(ks, rows, bounds, off, size)
-        return bounds, off, size
+        return bounds, off, size, rows
 
     def chunk(self, k: int, row: int) -> ChunkStorageMetadata:
         """Row ``row`` (of tensor key ``k``) as DCP's chunk object."""
@@ -747,7 +748,7 @@ class IndexedKeys(ChunkListsOnDemand):
         bounds = self._rows.bounds
         return ks, self._keys.ndim[ks], bounds[ks + 1] - bounds[ks]
 
-    def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``_KeyRows.stacked_boxes``: the chunks of many keys in one pair of matrices."""
         return self._rows.stacked_boxes(ks)
 
@@ -808,16 +809,23 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
         hints = np.array([h if type(h := indices[i].index) is int else -1 for i in known.tolist()], np.int64)
         rows = np.full(len(indices), -2, np.int64)
         rows[known] = self._rows.find_hinted(ks[known], offsets, hints)
-        self._make(np.unique(rows[rows >= 0]), indices, rows)
+        self._make(np.unique(rows[rows >= 0]), dict(zip(rows.tolist(), (index.fqn for index in indices))))
         made = self._made
         return [made[row] if row >= 0 else None if row == -1 else self.get(index) for index, row in zip(indices, rows.tolist())]
 
-    def _make(self, rows: np.ndarray, indices: list[MetadataIndex], row_of: np.ndarray) -> None:
-        """Build the items of ``rows`` not built yet, from column slices."""
+    def items_at(self, rows: list[int], fqns: list[str]) -> list[StoredItem]:
+        """The items of index rows ``rows`` (checked rows of keys ``fqns``, as
+        ``stacked_boxes`` gives them): no lookup at all."""
+        fqn_of = dict(zip(rows, fqns))  # each row once
+        self._make(np.fromiter(fqn_of, np.int64, len(fqn_of)), fqn_of)
+        made = self._made
+        return [made[row] for row in rows]
+
+    def _make(self, rows: np.ndarray, fqn_of: dict[int, str]) -> None:
+        """Build the items of ``rows`` (of keys ``fqn_of[row]``) not built yet, from column slices."""
         rows = rows[[row not in self._made for row in rows.tolist()]]
         if not len(rows):
             return
-        fqn_of = dict(zip(row_of.tolist(), (index.fqn for index in indices)))
         cols = self._cols
         names, codes = cols.file_names, cols.transforms[rows].tolist()
         checksums = np.where(cols.has_checksum[rows], cols.checksum[rows].astype(np.int64), -1).tolist()

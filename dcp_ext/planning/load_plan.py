@@ -6,9 +6,10 @@ objects first: at 1.19 M chunks that is seconds per rank before any byte moves. 
 load (``formats.index.IndexedKeys``) holds the saved chunks as numpy matrices; the
 overlaps of every local shard with its key's chunks are a few vector operations over the
 chunks of all the keys a rank loads (in batches, so memory stays bounded), and only
-overlapping chunks become ``ReadItem``s. A non-tensor value, or a bytes key, goes through
-DCP's own ``_create_read_items``; a load from a pickled ``.metadata`` through DCP's
-planner whole.
+overlapping chunks become pieces: columns (``storage.read_columns.TensorReads``) that our
+reader takes as they are and any other gets as ``ReadItem``s. A non-tensor value, or a
+bytes key, goes through DCP's own ``_create_read_items``; a load from a pickled
+``.metadata`` through DCP's planner whole.
 """
 
 from __future__ import annotations
@@ -18,27 +19,30 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.planning.local_shards import ChunkMemo, local_chunks
-from dcp_ext.runtime.frozen import frozen
 from dcp_ext.runtime.gc_pause import gc_paused
+from dcp_ext.storage.read_columns import TensorReads
 
 LocalShard = tuple[str, int, ChunkStorageMetadata]  # key, index in the tensor's chunk list, its box
 
 
 @gc_paused()  # thousands of read items, no garbage
-def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, source: str) -> list[ReadItem]:
+def local_reads(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, source: str) -> tuple[list[ReadItem], TensorReads]:
     """What DCP's default local load plan holds for ``state_dict`` (same checks, DCP's
     messages after ``source``, the checkpoint, as ``InvalidRequestError``: both the
-    ValueError and the RuntimeError DCP raises), computed from the index's columns."""
+    ValueError and the RuntimeError DCP raises), computed from the index's columns: the
+    items of non-tensor values (DCP's), then the tensor pieces as columns, whose
+    ``read_items`` follow in DCP's order."""
     items: list[ReadItem] = []
     shards: list[LocalShard] = []
+    landings: list[torch.Tensor | None] = []
     memo: ChunkMemo = {}
     for fqn, obj in state_dict.items():
         if fqn not in keys:
@@ -53,30 +57,58 @@ def local_read_items(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool
             raise InvalidRequestError(f"{source}: Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
-        shards += [(fqn, i, chunk) for i, chunk in enumerate(local_chunks(obj, memo))]
-    return items + tensor_read_items(keys, shards)
+        chunks = local_chunks(obj, memo)
+        shards += [(fqn, i, chunk) for i, chunk in enumerate(chunks)]
+        landings += [landing_tensor(obj) if len(chunks) == 1 else None] * len(chunks)
+    return items, tensor_reads(keys, shards, landings)
+
+
+def landing_tensor(obj: Any) -> torch.Tensor | None:
+    """The memory a destination's reads land in, as ``ShardLoadPlanner.resolve_tensor``
+    finds it: a plain DTensor's local tensor, a plain tensor itself (detached where it
+    requires grad); None for anything else (DCP's resolution)."""
+    if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:  # not torchrec's LocalShardsWrapper
+        local = obj._local_tensor
+    elif type(obj) is torch.Tensor:
+        local = obj
+    else:
+        return None
+    return local.detach() if local.requires_grad else local  # only then: a detach gives up the GIL
 
 
 BATCH_ROWS = 1 << 15  # saved chunks intersected at once: ~1 MB a matrix
 
 
-def tensor_read_items(keys: IndexedKeys, shards: list[LocalShard]) -> list[ReadItem]:
-    """Read items filling each local shard of a tensor key from the key's saved chunks:
-    DCP's items, shard by shard as DCP lists them (a shard's saved chunks in metadata
-    order, where DCP sweeps them by offset). Shards are intersected in batches of one
-    ndim, keys in index order (so a batch's rows are often one run)."""
+def tensor_reads(keys: IndexedKeys, shards: list[LocalShard], landings: list[torch.Tensor | None] | None = None) -> TensorReads:
+    """The pieces filling each local shard of a tensor key from the key's saved chunks:
+    DCP's read items as columns, shard by shard as DCP lists them (a shard's saved chunks
+    in metadata order, where DCP sweeps them by offset). ``landings``: each shard's
+    landing tensor (``landing_tensor``; None: none). Shards are intersected in batches of
+    one ndim, keys in index order (so a batch's rows are often one run)."""
     ks, ndim, counts = keys.key_facts([fqn for fqn, _, _ in shards])
     by_layout = np.lexsort((ks, ndim))
-    made: list[ReadItem] = []
-    made_for: list[np.ndarray] = []  # the shard each made item fills
+    blocks: list[list[list[Any]]] = []  # per batch: its columns, as lists
+    made_for: list[np.ndarray] = []  # the shard each piece fills
     for batch in _batches(ndim[by_layout], counts[by_layout]):
         picked = by_layout[batch]
-        items, shard_of = _batch_read_items(keys, [shards[i] for i in picked.tolist()], ks[picked])
-        made += items
+        columns, shard_of = _batch_pieces(keys, [shards[i] for i in picked.tolist()], ks[picked])
+        blocks.append(columns)
         made_for.append(picked[shard_of])
-    if not made:
-        return []
-    return [made[i] for i in np.argsort(np.concatenate(made_for), kind="stable").tolist()]
+    shard = np.concatenate(made_for) if made_for else np.zeros(0, np.int64)
+    order = np.argsort(shard, kind="stable").tolist()
+    pieces = [[value for block in blocks for value in block[c]] for c in range(7)]
+    rows, places, saved, sizes, dest, storage, lengths = ([column[i] for i in order] for column in pieces)
+    return TensorReads(
+        keys=keys,
+        fqns=[fqn for fqn, _, _ in shards],
+        chunks=[chunk for _, _, chunk in shards],
+        chunk_places=[place for _, place, _ in shards],
+        dtypes=[keys.facts(fqn)[0].dtype for fqn, _, _ in shards],
+        landings=landings if landings is not None else [None] * len(shards),
+        shard=shard[order].tolist(),
+        rows=rows, places=places, saved_offsets=saved, saved_sizes=sizes,
+        dest_offsets=dest, storage_offsets=storage, lengths=lengths,
+    )
 
 
 def _batches(ndim: np.ndarray, counts: np.ndarray) -> Iterator[slice]:
@@ -91,9 +123,11 @@ def _batches(ndim: np.ndarray, counts: np.ndarray) -> Iterator[slice]:
         first = end
 
 
-def _batch_read_items(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarray) -> tuple[list[ReadItem], np.ndarray]:
-    """The read items of ``shards`` (of one ndim) and, for each, the shard it fills."""
-    bounds, off, size = keys.stacked_boxes(ks)
+def _batch_pieces(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarray) -> tuple[list[list[Any]], np.ndarray]:
+    """The pieces of ``shards`` (of one ndim): their columns (index rows, places in their
+    keys' chunk lists, saved offsets and sizes, destination offsets, storage offsets,
+    lengths; boxes as tuples) and, for each, the shard it fills."""
+    bounds, off, size, key_rows = keys.stacked_boxes(ks)
     nd, counts = off.shape[1], np.diff(bounds)
     local = np.array([[*chunk.offsets, *chunk.sizes] for _, _, chunk in shards], np.int64).reshape(len(shards), 2 * nd)
     start = np.repeat(local[:, :nd], counts, axis=0)
@@ -104,21 +138,7 @@ def _batch_read_items(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarra
         inside &= last[:, d] > first[:, d]
     hits = np.flatnonzero(inside)
     shard_of = np.repeat(np.arange(len(shards)), counts)[hits]
-    row = hits - bounds[shard_of]  # the saved chunk's place in its key's chunk list
-    columns = (first - start)[hits], off[hits], (first - off)[hits], (last - first)[hits]
-    # DCP's _create_read_item_for_tensor's items, built without their constructors (frozen)
-    dest_indexes = [frozen(MetadataIndex, fqn=fqn, offset=chunk.offsets, index=i) for fqn, i, chunk in shards]
-    items = []
-    for s, r, dest, saved, storage, lengths in zip(shard_of.tolist(), row.tolist(), *(c.tolist() for c in columns)):
-        items.append(
-            frozen(
-                ReadItem,
-                type=LoadItemType.TENSOR,
-                dest_index=dest_indexes[s],
-                dest_offsets=torch.Size(dest),
-                storage_index=frozen(MetadataIndex, fqn=shards[s][0], offset=torch.Size(saved), index=r),
-                storage_offsets=torch.Size(storage),
-                lengths=torch.Size(lengths),
-            )
-        )
-    return items, shard_of
+    boxes = (off[hits], size[hits], (first - start)[hits], (first - off)[hits], (last - first)[hits])
+    columns = [key_rows[hits].tolist(), (hits - bounds[shard_of]).tolist()]  # place: in the key's chunk list
+    columns += [list(map(tuple, box.tolist())) for box in boxes]
+    return columns, shard_of

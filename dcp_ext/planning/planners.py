@@ -25,7 +25,7 @@ from dcp_ext.formats.safe_load import decode_bytes_item
 from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
-from dcp_ext.planning.load_plan import local_read_items
+from dcp_ext.planning.load_plan import landing_tensor, local_reads
 from dcp_ext.planning.local_plan import ShardLocalPlan, TableItems, assigned_items
 from dcp_ext.planning.local_shards import ChunkMemo, local_write_items
 from dcp_ext.planning.locality import tp_coordinate
@@ -44,6 +44,8 @@ from dcp_ext.planning.replica_check import alone_marks, chunk_digest, chunk_dige
 from dcp_ext.planning.replica_units import ReplicaUnits, check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
 from dcp_ext.storage.piece_digests import PieceDigest
+from dcp_ext.storage.read_columns import TensorReads
+from dcp_ext.storage.reader import ReaderMode
 from dcp_ext.storage.save_tracking import SaveOrder, check_same_save
 
 
@@ -369,6 +371,9 @@ def _rows_of(plan: ShardLocalPlan, rank: int) -> np.ndarray:
     return plan.chunk_digests
 
 
+_PER_ITEM_HOOKS = ("resolve_tensor", "transform_tensor", "commit_tensor", "finish_plan")  # what columns skip
+
+
 class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     """DefaultLoadPlanner that never runs code from a checkpoint's non-tensor items.
 
@@ -387,7 +392,10 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
     gather is one small message per rank. Storage readers see the items in ``read_data``.
 
     With metadata from our index, the local plan is computed from the index's columns
-    (``load_plan``): only the chunks overlapping this rank's shards become objects.
+    (``load_plan``): only the chunks overlapping this rank's shards become pieces, handed
+    to ``ShardReader`` as columns (``storage.read_columns``: no ReadItem per piece) unless
+    a subclass or the instance has its own ``resolve_tensor``, ``transform_tensor``,
+    ``commit_tensor`` or ``finish_plan``; any other reader gets DCP's ReadItems.
     """
 
     PLANS_EVERY_ELEMENT = True  # its local plan reads all of each destination (ShardReader checks the plan)
@@ -397,27 +405,50 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         self.allow_unsafe_bytes = options.flag("ShardLoadPlanner", "allow_unsafe_bytes", allow_unsafe_bytes)
         self._local_items: list[ReadItem] | None = []  # None: the plan went up whole (a subclass's)
         self._shared: set[int] | None = None  # per load: see _shared_tensors
+        self._reads: TensorReads | None = None  # per load: the tensor pieces (index loads)
 
     def create_local_plan(self) -> LoadPlan:
         self._shared = None
         keys = None if self.metadata is None else self.metadata.state_dict_metadata
+        reads = None
         if isinstance(keys, IndexedKeys):  # our index: plan from its columns (load_plan)
             source = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "the checkpoint"
-            plan = LoadPlan(local_read_items(self.state_dict, keys, not self.allow_partial_load, str(source)))
+            items, reads = local_reads(self.state_dict, keys, not self.allow_partial_load, str(source))
+            plan = LoadPlan(items)
         else:
             plan = super().create_local_plan()
         if type(self).create_local_plan is not ShardLoadPlanner.create_local_plan:
             # a subclass's own create_local_plan changes the items (reads less on purpose): it
-            # gets them, and DCP's plan is its result, as with DefaultLoadPlanner
-            self._local_items = None
-            return plan
-        self._local_items = plan.items
+            # gets them all, and DCP's plan is its result, as with DefaultLoadPlanner
+            self._local_items, self._reads = None, None
+            return plan if reads is None else LoadPlan(plan.items + reads.read_items())
+        self._local_items, self._reads = plan.items, reads
         return dataclasses.replace(plan, items=[])
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        """The rank's own items back in its plan; its tensor pieces as columns in
+        ``planner_data`` where the reader takes them (``storage.read_columns``), else as
+        DCP's ReadItems after the others."""
         if self._local_items is None:
             return super().finish_plan(new_plan)
-        return super().finish_plan(dataclasses.replace(new_plan, items=self._local_items))
+        items, reads = self._local_items, self._reads
+        if reads is not None and self._hands_columns(new_plan):
+            return super().finish_plan(dataclasses.replace(new_plan, items=items, planner_data=reads))
+        if reads is not None:
+            items = items + reads.read_items()
+        return super().finish_plan(dataclasses.replace(new_plan, items=items))
+
+    def _hands_columns(self, plan: LoadPlan) -> bool:
+        """Whether the reader took columns for this plan (our reader says so in its
+        ``storage_data``) and skipping this planner's per-item hooks changes nothing: none
+        is a subclass's or an instance's own (``transform_tensor`` narrows, ``commit_tensor``
+        does nothing: DCP's), and the plan's ``planner_data`` is free."""
+        mode = plan.storage_data
+        return (
+            isinstance(mode, ReaderMode) and mode.takes_columns and plan.planner_data is None
+            and all(getattr(type(self), hook) is getattr(ShardLoadPlanner, hook) and hook not in vars(self)
+                    for hook in _PER_ITEM_HOOKS)
+        )
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """DCP finds a DTensor's local shard by working out its chunk list again for every
@@ -430,16 +461,10 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         requires grad is detached before it is narrowed: ``DTensor.from_local`` over a tensor
         that requires grad holds a view made in no-grad mode, and narrowing that again once a
         read wrote into it in place raised autograd's "view was created in no_grad mode"."""
-        fqn = read_item.dest_index.fqn
-        obj = self.state_dict.get(fqn)
-        if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:  # not torchrec's LocalShardsWrapper
-            local = obj._local_tensor
-        elif type(obj) is torch.Tensor and not any(read_item.dest_index.offset or ()):
-            local = obj
-        else:
+        obj = self.state_dict.get(read_item.dest_index.fqn)
+        local = landing_tensor(obj)
+        if local is None or (type(obj) is torch.Tensor and any(read_item.dest_index.offset or ())):
             return super().resolve_tensor(read_item)
-        if local.requires_grad:  # only then: a detach gives up the GIL (formats.torch_record.host_bytes)
-            local = local.detach()
         transform = self.transform_tensor  # a subclass's or an instance's own: called for every item
         if getattr(transform, "__func__", None) is DefaultLoadPlanner.transform_tensor and (
             local.shape == read_item.lengths and not any(read_item.dest_offsets)

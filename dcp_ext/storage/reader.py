@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
-from itertools import groupby
+from itertools import chain, groupby
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -24,11 +24,11 @@ from torch.futures import Future
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError
 from dcp_ext.formats.faults import file_too_short
-from dcp_ext.formats.index import StoredItem
+from dcp_ext.formats.index import IndexedItems, StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.validate import overlapping_boxes
-from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault
+from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault, dense_layout
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
@@ -50,6 +50,7 @@ from dcp_ext.storage.read_plan import (
     tensor_requests,
     whole_record_request,
 )
+from dcp_ext.storage.read_columns import Box, TensorReads
 from dcp_ext.storage.shared_metadata import open_shared_catalog
 
 if TYPE_CHECKING:
@@ -259,7 +260,7 @@ class ShardReader(StorageReader):
         self._mode_sent = plan.storage_data is None
         if not self._mode_sent:
             return plan
-        return dataclasses.replace(plan, storage_data=ReaderMode(self.two_stage))
+        return dataclasses.replace(plan, storage_data=ReaderMode(self.two_stage, takes_columns=self._takes_columns()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self._exchanges_in_job() and len(plans) != dist.get_world_size():
@@ -290,27 +291,61 @@ class ShardReader(StorageReader):
         identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint)
         commits: list[Callable[[], None]] = []
         try:
-            stored = self._stored(catalog, [item.storage_index for item in plan.items])
-            self._check_destinations_filled(catalog, plan, planned_by)
-            self._check_files((item.storage_index.fqn, record) for item, record in zip(plan.items, stored))
-            requests: Iterable[Request] = self._requests(catalog, plan.items, stored, planner, commits)
+            items, direct = self._direct_pieces(catalog, plan)
+            stored = self._stored(catalog, [item.storage_index for item in items])
+            self._check_destinations_filled(catalog, items, direct, planned_by)
+            self._check_files(chain(
+                ((item.storage_index.fqn, record) for item, record in zip(items, stored)),
+                ((direct.reads.fqn(piece), record) for piece, record in zip(direct.pieces, direct.records)),
+            ))
+            requests: Iterable[Request] = self._requests(catalog, items, stored, direct, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
                 requests = list(requests)
         except Exception as exc:
             if executor.collective:  # every rank must join, which shares the failure
                 executor.run([], identity, planning_error=exc)  # raises it on every rank
             raise
+        records = stored + direct.records
         bytes_read, files = executor.run(
             requests,
             identity,
-            expected_bytes=sum(record.length for record in stored),
-            expected_files=len({record.relative_path for record in stored}),
+            expected_bytes=sum(record.length for record in records),
+            expected_files=len({record.relative_path for record in records}),
         )
         self.clock.add("exchange", executor.seconds)
         self.stats.bytes_received += executor.bytes_received
         for commit_item in commits:
             commit_item()
-        return self._finish_read(plan, bytes_read, files, started)
+        return self._finish_read(len(records), bytes_read, files, started)
+
+    def _direct_pieces(self, catalog: Catalog, plan: LoadPlan) -> tuple[list[ReadItem], DirectPieces]:
+        """The plan's ReadItems, and the pieces of its columns (``read_columns``) read
+        without one: those whose record's layout the index gives (no parse, no decode, a
+        CRC32C where checksums are verified) and whose memory the planner handed over.
+        Any other piece becomes a ReadItem, as do all of columns made from another index."""
+        reads = plan.planner_data
+        if not isinstance(reads, TensorReads):
+            return list(plan.items), DirectPieces.none()
+        if reads.keys is not catalog.metadata.state_dict_metadata or not isinstance(catalog.items, IndexedItems):
+            return list(plan.items) + reads.read_items(), DirectPieces.none()
+        records = catalog.items.items_at(reads.rows, [reads.fqn(piece) for piece in range(len(reads))])
+        items = list(plan.items)
+        direct = DirectPieces(reads, [], [])
+        verify = self.verify_checksums
+        for piece, record in enumerate(records):
+            if record.payload_offset >= 0 and not record.transforms and not (verify and record.checksum is None) and (
+                    reads.landings[reads.shard[piece]] is not None):
+                direct.pieces.append(piece)
+                direct.records.append(record)
+            else:
+                items.append(reads.read_item(piece))
+        return items, direct
+
+    def _takes_columns(self) -> bool:
+        """Whether this reader's ``read_data`` reads a plan's tensor pieces as columns:
+        ours, unless a subclass reads itself, and unless a rank reads its own TP-replica
+        copies (the columns name the canonical records)."""
+        return type(self).read_data is ShardReader.read_data and (self.two_stage or not self._require_catalog().copies)
 
     def _check_mode_confirmed(self, plan: LoadPlan) -> None:
         """A two-stage rank whose plan the coordinator did not stamp raises before any
@@ -360,23 +395,44 @@ class ShardReader(StorageReader):
         catalog: Catalog,
         items: list[ReadItem],
         stored: list[StoredItem],
+        direct: DirectPieces,
         planner: LoadPlanner,
         commits: list[Callable[[], None]],
     ) -> Iterator[Request]:
-        """Byte-range requests for the plan's items, file by file in file order, and what
-        to commit once they land. A generator: the executor reads one file while the next
-        is planned."""
-        order = sorted(range(len(items)), key=lambda i: (stored[i].relative_path, stored[i].offset))
-        for _, positions in groupby(order, key=lambda i: stored[i].relative_path):
+        """Byte-range requests for the plan's items and direct pieces, file by file in
+        file order, and what to commit once they land. A generator: the executor reads one
+        file while the next is planned."""
+        records = stored + direct.records
+        count = len(items)
+        order = sorted(range(len(records)), key=lambda i: (records[i].relative_path, records[i].offset))
+        for _, positions in groupby(order, key=lambda i: records[i].relative_path):
             group = list(positions)
-            file_items, file_stored = [items[i] for i in group], [stored[i] for i in group]
-            for read_item, record, layout in zip(file_items, file_stored, self._layouts(catalog, file_items, file_stored)):
-                yield from self._plan_item(catalog, read_item, record, layout, planner, commits)
+            file_items = [items[i] for i in group if i < count]
+            layouts = iter(self._layouts(catalog, file_items, [stored[i] for i in group if i < count]))
+            for i in group:
+                if i < count:
+                    yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits)
+                else:
+                    yield from self._direct_requests(direct, i - count)
 
-    def _finish_read(self, plan: LoadPlan, bytes_read: int, files: set[str], started: float) -> Future[None]:
+    def _direct_requests(self, direct: DirectPieces, position: int) -> list[Request]:
+        """Requests of a direct piece: its record's layout from the index, its memory from
+        the planner's landing tensor; nothing to commit (the planner's ``commit_tensor``
+        is DCP's, which does nothing)."""
+        reads, piece, record = direct.reads, direct.pieces[position], direct.records[position]
+        fqn = reads.fqn(piece)
+        where = self._where(record.relative_path, fqn)
+        dest = reads.destination(piece)
+        lengths = reads.lengths[piece]
+        if dest is None or dest.shape != lengths:
+            raise CheckpointError(f"{where}: destination has shape {None if dest is None else list(dest.shape)} but the plan reads {list(lengths)}")
+        layout = dense_layout(record.payload_offset - record.offset, reads.dtypes[reads.shard[piece]], reads.saved_sizes[piece])
+        return tensor_requests(record, layout, reads.storage_offsets[piece], lengths, dest, fqn, where, self.verify_checksums)
+
+    def _finish_read(self, count: int, bytes_read: int, files: set[str], started: float) -> Future[None]:
         self.stats.bytes_read += bytes_read
         self.stats.files_opened += len(files)
-        self.stats.items_read += len(plan.items)
+        self.stats.items_read += count
         self.stats.seconds += time.perf_counter() - started
         self.clock.charge_rest("read")
         self._publish()
@@ -421,7 +477,7 @@ class ShardReader(StorageReader):
                 f"files were all written before {METADATA_NAME})"
             )
 
-    def _check_destinations_filled(self, catalog: Catalog, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _check_destinations_filled(self, catalog: Catalog, items: list[ReadItem], direct: DirectPieces, planner: LoadPlanner) -> None:
         """Every element of each tensor the load fills is read exactly once. DCP plans reads
         for the parts of a destination some chunk covers and leaves the rest as it was,
         silently (as stock does): a checkpoint one process saved alone (``dcp.save(no_dist=
@@ -435,19 +491,25 @@ class ShardReader(StorageReader):
         if not isinstance(state, dict) or not _plans_every_element(planner):
             return
         read: dict[str, int] = {}
-        pieces: dict[tuple[str, int | None], list[ReadItem]] = {}  # reads into each destination chunk
+        pieces: dict[tuple[str, int | None], list[tuple[Box, Box]]] = {}  # boxes read into each destination chunk
         as_bytes: set[str] = set()  # stored numbers put into 0-d tensors
-        for item in plan.items:
+        for item in items:
             fqn = item.dest_index.fqn
             if item.type == LoadItemType.BYTE_IO:
                 as_bytes.add(fqn)
             else:
                 read[fqn] = read.get(fqn, 0) + math.prod(item.lengths)
-                pieces.setdefault((fqn, item.dest_index.index), []).append(item)
-        for (fqn, _), items in pieces.items():
-            if len(items) == 1:
+                pieces.setdefault((fqn, item.dest_index.index), []).append((tuple(item.dest_offsets), tuple(item.lengths)))
+        reads = direct.reads
+        for piece in direct.pieces:
+            shard, lengths = reads.shard[piece], reads.lengths[piece]
+            fqn = reads.fqns[shard]
+            read[fqn] = read.get(fqn, 0) + math.prod(lengths)
+            pieces.setdefault((fqn, reads.chunk_places[shard]), []).append((reads.dest_offsets[piece], lengths))
+        for (fqn, _), boxes in pieces.items():
+            if len(boxes) == 1:
                 continue
-            overlap = overlapping_boxes([(tuple(i.dest_offsets), tuple(i.lengths)) for i in items])
+            overlap = overlapping_boxes(boxes)
             if overlap:
                 raise CorruptCheckpointError(
                     f"{self.location.url}: key {fqn!r}: the checkpoint's chunks overlap each other (damaged metadata): "
@@ -656,6 +718,20 @@ class ReaderMode:
 
     two_stage: bool
     checked: bool = False  # set by the coordinator's ShardReader once every rank's mode agreed
+    takes_columns: bool = False  # its read_data reads tensor pieces as columns (``read_columns``)
+
+
+@dataclasses.dataclass
+class DirectPieces:
+    """Pieces of a plan's columns read without a ReadItem, with their records."""
+
+    reads: TensorReads
+    pieces: list[int]
+    records: list[StoredItem]
+
+    @staticmethod
+    def none() -> DirectPieces:
+        return DirectPieces(TensorReads.empty(), [], [])
 
 
 def _plans_every_element(planner: LoadPlanner) -> bool:

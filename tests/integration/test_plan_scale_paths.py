@@ -241,7 +241,7 @@ def subset_load_job(rank: int, world_size: int, path: str) -> dict:
     )
 
     from dcp_ext.formats.safe_pickle import load_metadata_pickle
-    from dcp_ext.planning.load_plan import local_read_items
+    from dcp_ext.planning.load_plan import local_reads
     from dcp_ext.storage.catalog import read_catalog
     from dcp_ext.storage.location import Location
 
@@ -257,7 +257,8 @@ def subset_load_job(rank: int, world_size: int, path: str) -> dict:
     # the per-key decode plans exactly what DCP plans from the pickled .metadata
     keys = read_catalog(Location(path)).metadata.state_dict_metadata
     pickled = load_metadata_pickle(open(f"{path}/.metadata", "rb").read(), path)
-    ours = local_read_items(expected, keys, True, "ckpt")
+    items, reads = local_reads(expected, keys, True, "ckpt")
+    ours = items + reads.read_items()
     stock = create_default_local_load_plan(expected, pickled, True).items
     describe = lambda items: sorted(
         (i.dest_index.fqn, tuple(i.dest_index.offset), tuple(i.storage_index.offset), tuple(i.dest_offsets), tuple(i.storage_offsets), tuple(i.lengths))
@@ -318,7 +319,7 @@ def test_overlaps_found_for_all_keys_at_once_are_the_read_items_dcp_plans(tmp_pa
         place = {(fqn, i): n for n, (fqn, i, _) in enumerate(shards)}
         for batch_rows in (1, load_plan.BATCH_ROWS):
             monkeypatch.setattr(load_plan, "BATCH_ROWS", batch_rows)
-            ours = load_plan.tensor_read_items(keys, shards)
+            ours = load_plan.tensor_reads(keys, shards).read_items()
             assert describe(ours) == stock, (batch_rows, grids)
             filled = [place[(item.dest_index.fqn, item.dest_index.index)] for item in ours]
             assert filled == sorted(filled), "read items in shard order, as DCP plans them"

@@ -30,7 +30,7 @@ from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats import index as index_module
 from dcp_ext.formats.index import StoredItem, decode_index, encode_index, ragged_take
 from dcp_ext.planning import load_plan
-from dcp_ext.planning.load_plan import tensor_read_items
+from dcp_ext.planning.load_plan import tensor_reads
 
 
 def chunk(offsets, sizes) -> ChunkStorageMetadata:
@@ -216,7 +216,7 @@ def test_a_faulty_key_is_refused_when_used_and_the_others_still_answer(fault):
     keys = back.metadata.state_dict_metadata
     assert keys["norm"] == metadata.state_dict_metadata["norm"]
     assert back.items[MetadataIndex("norm", [0])] == items[MetadataIndex("norm", [0])]
-    plan = lambda: tensor_read_items(keys, [("norm", 0, chunk([0], [7])), ("w", 0, chunk([0, 0], [5, 3]))])
+    plan = lambda: tensor_reads(keys, [("norm", 0, chunk([0], [7])), ("w", 0, chunk([0, 0], [5, 3]))])
     for use in (lambda: keys["w"], lambda: keys.boxes("w"), lambda: back.items[MetadataIndex("w", [0, 0])], lambda: dict(back.items), plan):
         with pytest.raises(CorruptCheckpointError, match=message):
             use()
@@ -293,7 +293,12 @@ def test_a_plan_over_keys_of_every_ndim_with_rows_in_any_order_is_dcps(seed, mon
     shards = [(fqn, i, c) for fqn, chunks in local.items() for i, c in enumerate(chunks)]
     for batch_rows in (1, 5, load_plan.BATCH_ROWS):
         monkeypatch.setattr(load_plan, "BATCH_ROWS", batch_rows)
-        assert describe(tensor_read_items(keys, shards)) == stock
+        reads = tensor_reads(keys, shards)
+        made = reads.read_items()
+        assert describe(made) == stock
+        # each piece's index row is its saved chunk's record, found without a lookup
+        fqns = [reads.fqn(piece) for piece in range(len(reads))]
+        assert back.items.items_at(reads.rows, fqns) == [back.items[item.storage_index] for item in made]
 
 
 def test_stacked_boxes_refuse_keys_of_several_ndims():
@@ -302,5 +307,6 @@ def test_stacked_boxes_refuse_keys_of_several_ndims():
     ks, _, _ = keys.key_facts(["w", "norm"])
     with pytest.raises(ValueError, match="one ndim"):
         keys.stacked_boxes(ks)
-    bounds, off, size = keys.stacked_boxes(ks[:1])
+    bounds, off, size, rows = keys.stacked_boxes(ks[:1])
     assert bounds.tolist() == [0, 2] and off.tolist() == [[0, 0], [3, 0]] and size.tolist() == [[3, 3], [2, 3]]
+    assert len(rows) == 2

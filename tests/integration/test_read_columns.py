@@ -1,0 +1,141 @@
+"""ShardLoadPlanner hands ShardReader a load's tensor pieces as columns (``read_columns``)
+only where both ends are ours; every other pairing gets the same pieces as ReadItems.
+
+The DCP load protocol is run step by step here (as ``dcp.load`` runs it in one process)
+so the final plan can be looked at; the bytes land through the reader's own ``read_data``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
+from dcp_ext.errors import ChecksumMismatchError
+from dcp_ext.storage.read_columns import TensorReads
+
+from support import assert_tensor_equal, garbage_like
+
+
+def _saved(path, **writer_options) -> dict:
+    g = torch.Generator().manual_seed(11)
+    state = {
+        "w": torch.randn(6, 5, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "step": 12,
+    }
+    dcp.save(state, storage_writer=ShardWriter(path, **writer_options), no_dist=True)
+    return state
+
+
+def _final_plan(reader: ShardReader, planner: ShardLoadPlanner, state: dict) -> LoadPlan:
+    """DCP's load steps up to the plan ``read_data`` receives (one process, coordinator)."""
+    metadata = reader.read_metadata()
+    planner.set_up_planner(state, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    local = reader.prepare_local_plan(planner.create_local_plan())
+    central = reader.prepare_global_plan(planner.create_global_plan([local]))[0]
+    return planner.finish_plan(central)
+
+
+def _load(reader: ShardReader, planner: ShardLoadPlanner, state: dict) -> LoadPlan:
+    plan = _final_plan(reader, planner, state)
+    reader.read_data(plan, planner).wait()
+    return plan
+
+
+def _garbage(saved: dict) -> dict:
+    return {k: garbage_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in saved.items()}
+
+
+def _check(got: dict, saved: dict) -> None:
+    for key, want in saved.items():
+        if isinstance(want, torch.Tensor):
+            assert_tensor_equal(got[key], want, key)
+        else:
+            assert got[key] == want, key
+
+
+def test_our_planner_and_reader_pass_tensor_pieces_as_columns(tmp_path):
+    saved = _saved(tmp_path)
+    got = _garbage(saved)
+    reader = ShardReader(tmp_path)
+    plan = _load(reader, ShardLoadPlanner(), got)
+    assert isinstance(plan.planner_data, TensorReads) and len(plan.planner_data) == 3
+    assert [item.dest_index.fqn for item in plan.items] == ["step"]  # the bytes item stays a ReadItem
+    _check(got, saved)
+    assert reader.last_report.items_read == 4
+
+
+class ReadsItself(ShardReader):
+    def read_data(self, plan, planner):  # noqa: ANN001, ANN201
+        self.seen = plan
+        return super().read_data(plan, planner)
+
+
+class CountsCommits(ShardLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed: list[str] = []
+
+    def commit_tensor(self, read_item, tensor):  # noqa: ANN001, ANN201
+        self.committed.append(read_item.dest_index.fqn)
+
+
+@pytest.mark.parametrize("pairing", ["reader subclass", "planner hook", "stock reader"])
+def test_any_other_pairing_gets_every_piece_as_a_read_item(tmp_path, pairing):
+    """A reader whose read_data is its own, a planner with a per-item hook of its own, and
+    stock's reader (which offers nothing) get DCP's ReadItems, the hooks called per item."""
+    saved = _saved(tmp_path)
+    got = _garbage(saved)
+    planner = CountsCommits() if pairing == "planner hook" else ShardLoadPlanner()
+    if pairing == "stock reader":
+        dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path), planner=planner, no_dist=True)
+    else:
+        reader = ReadsItself(tmp_path) if pairing == "reader subclass" else ShardReader(tmp_path)
+        plan = _load(reader, planner, got)
+        assert plan.planner_data is None
+        assert sorted(item.dest_index.fqn for item in plan.items) == ["b", "scalar", "step", "w"]
+    _check(got, saved)
+    if pairing == "planner hook":
+        assert sorted(planner.committed) == ["b", "scalar", "w"]
+
+
+def test_columns_read_items_are_the_ones_handed_to_other_readers(tmp_path):
+    _saved(tmp_path)
+    state = _garbage(_saved(tmp_path))
+    reads = _final_plan(ShardReader(tmp_path), ShardLoadPlanner(), state).planner_data
+    items = _final_plan(ReadsItself(tmp_path), ShardLoadPlanner(), state).items
+    assert reads.read_items() == [item for item in items if item.dest_index.fqn != "step"]
+
+
+def test_pieces_whose_records_need_more_than_the_index_go_as_read_items(tmp_path):
+    """Compressed records (decoded whole) are read through ReadItems inside our reader."""
+    saved = _saved(tmp_path, compression="zstd")
+    got = _garbage(saved)
+    reader = ShardReader(tmp_path)
+    plan = _load(reader, ShardLoadPlanner(), got)
+    assert isinstance(plan.planner_data, TensorReads)
+    _check(got, saved)
+    assert reader.last_report.items_read == 4
+
+
+def test_a_verified_load_of_records_without_crc32c_checks_their_zip_crc32(tmp_path):
+    """A record the index gives no CRC32C for (checksums=False) is parsed for its zip
+    CRC-32 when checksums are verified: a ReadItem, and a flipped payload byte is caught."""
+    saved = _saved(tmp_path, checksums=False)
+    record = ShardReader(tmp_path)._require_catalog().item(MetadataIndex("w", torch.Size([0, 0])))
+    with open(tmp_path / record.relative_path, "r+b") as f:
+        f.seek(record.payload_offset + 5)
+        byte = f.read(1)
+        f.seek(record.payload_offset + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    got = _garbage(saved)
+    _load(ShardReader(tmp_path, verify_checksums=True, cache_metadata=False), ShardLoadPlanner(), {"b": got["b"]})
+    assert_tensor_equal(got["b"], saved["b"], "b")
+    with pytest.raises(ChecksumMismatchError, match="crc32 mismatch"):
+        _load(ShardReader(tmp_path, verify_checksums=True, cache_metadata=False), ShardLoadPlanner(), got)
