@@ -81,12 +81,12 @@ class TensorReads:
     def read_items(self) -> list[ReadItem]:
         return [self.read_item(piece) for piece in range(len(self))]
 
-    def destination(self, piece: int) -> torch.Tensor | None:
+    def destination(self, piece: int) -> torch.Tensor:
         """The memory a piece lands in: its box of the shard's landing tensor (narrowed as
-        DCP's ``narrow_tensor_by_index`` does), None where the planner resolves it."""
+        DCP's ``narrow_tensor_by_index`` does); only for a shard that has one."""
         whole = self.landings[self.shard[piece]]
         if whole is None:
-            return None
+            raise ValueError(f"piece {piece} of {self.fqn(piece)!r} lands where the planner resolves it (read it as a ReadItem)")
         lengths = self.lengths[piece]
         if whole.shape == lengths and not any(self.dest_offsets[piece]):
             return whole

@@ -424,8 +424,8 @@ class ShardReader(StorageReader):
         where = self._where(record.relative_path, fqn)
         dest = reads.destination(piece)
         lengths = reads.lengths[piece]
-        if dest is None or dest.shape != lengths:
-            raise CheckpointError(f"{where}: destination has shape {None if dest is None else list(dest.shape)} but the plan reads {list(lengths)}")
+        if dest.shape != lengths:
+            raise CheckpointError(f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(lengths)}")
         layout = dense_layout(record.payload_offset - record.offset, reads.dtypes[reads.shard[piece]], reads.saved_sizes[piece])
         return tensor_requests(record, layout, reads.storage_offsets[piece], lengths, dest, fqn, where, self.verify_checksums)
 
