@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_read_items
+from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
 from dcp_ext.errors import InvalidRequestError
@@ -61,6 +61,32 @@ def local_reads(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, sou
         shards += [(fqn, i, chunk) for i, chunk in enumerate(chunks)]
         landings += [landing_tensor(obj) if len(chunks) == 1 else None] * len(chunks)
     return items, tensor_reads(keys, shards, landings)
+
+
+def metadata_read_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:
+    """DCP's ``create_default_local_load_plan(state_dict, metadata, strict).items`` (its
+    checks, errors and items, in its order) for metadata that is no index load (a pickled
+    ``.metadata``, a Megatron or safetensors catalog), a plain DTensor's local chunks worked
+    out once per layout (``local_chunks``): DCP works them out key by key, which was half
+    of a 2-process local plan from a stock checkpoint (590 DTensors: ~25 of 48 ms)."""
+    items: list[ReadItem] = []
+    memo: ChunkMemo = {}
+    saved = metadata.state_dict_metadata
+    for fqn, obj in state_dict.items():
+        if fqn not in saved:
+            if strict:
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            continue
+        md = saved[fqn]
+        if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
+            raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            continue  # this rank is outside the tensor's submesh
+        if isinstance(md, TensorStorageMetadata) and type(obj) is DTensor:
+            items += create_read_items_for_chunk_list(fqn, md, local_chunks(obj, memo))
+        else:
+            items += _create_read_items(fqn, md, obj)
+    return items
 
 
 def landing_tensor(obj: Any) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from dcp_ext.formats.safe_load import decode_bytes_item
 from dcp_ext.planning.dedup import Cuts, chunk_view, refine_items
 from dcp_ext.planning.digest_exchange import Agreement, agree, exchange_group, first_senders
 from dcp_ext.planning.global_plan import GlobalPlan, RankAssignment, check_replicas, plan_globally
-from dcp_ext.planning.load_plan import landing_tensor, local_reads
+from dcp_ext.planning.load_plan import landing_tensor, local_reads, metadata_read_items
 from dcp_ext.planning.local_plan import ShardLocalPlan, TableItems, assigned_items
 from dcp_ext.planning.local_shards import ChunkMemo, local_write_items
 from dcp_ext.planning.locality import tp_coordinate
@@ -415,6 +415,10 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
             source = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "the checkpoint"
             items, reads = local_reads(self.state_dict, keys, not self.allow_partial_load, str(source))
             plan = LoadPlan(items)
+        elif keys is not None and (not self.flatten_state_dict or set(keys) <= set(self.state_dict)):
+            # DCP's plan, DTensor chunks from a memo (load_plan); DCP's own where a saved key
+            # is missing: its check for a checkpoint of torch < 2.4 may flatten the state dict again
+            plan = LoadPlan(metadata_read_items(self.state_dict, self.metadata, not self.allow_partial_load))
         else:
             plan = super().create_local_plan()
         if type(self).create_local_plan is not ShardLoadPlanner.create_local_plan:

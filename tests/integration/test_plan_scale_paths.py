@@ -241,7 +241,7 @@ def subset_load_job(rank: int, world_size: int, path: str) -> dict:
     )
 
     from dcp_ext.formats.safe_pickle import load_metadata_pickle
-    from dcp_ext.planning.load_plan import local_reads
+    from dcp_ext.planning.load_plan import local_reads, metadata_read_items
     from dcp_ext.storage.catalog import read_catalog
     from dcp_ext.storage.location import Location
 
@@ -265,6 +265,16 @@ def subset_load_job(rank: int, world_size: int, path: str) -> dict:
         for i in items
     )
     assert describe(ours) == describe(stock), (describe(ours), describe(stock))
+    # from the pickle: DCP's items exactly, in its order (DTensor chunks from a memo)
+    assert metadata_read_items(expected, pickled, True) == stock
+    assert metadata_read_items({**expected, "w": garbage_like(_full("w"))}, pickled, True)[-1].dest_index.fqn == "w"
+    for state, strict, error in (({"missing": torch.zeros(2)}, True, RuntimeError), ({"norm": torch.zeros(3)}, True, ValueError)):
+        with pytest.raises(error) as ours_error:
+            metadata_read_items(state, pickled, strict)
+        with pytest.raises(error) as stock_error:
+            create_default_local_load_plan(state, pickled, strict)
+        assert str(ours_error.value) == str(stock_error.value)
+    assert metadata_read_items({"missing": torch.zeros(2)}, pickled, False) == []
     built = [name for name in ("w", "m", "e") if keys._built[keys._key_of[name]]]
     # a key this rank never asked for is never built; the full decode equals the pickle key by key
     equal = all(keys[k].chunks == pickled.state_dict_metadata[k].chunks for k in pickled.state_dict_metadata if k != "step.count")
