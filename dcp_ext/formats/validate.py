@@ -24,6 +24,7 @@ from dcp_ext.formats.faults import (
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.torch_record import numel
 from dcp_ext.formats.data_files import check_relative_name
+from dcp_ext.runtime.frozen import frozen
 
 _INT = int
 
@@ -68,9 +69,10 @@ def check_metadata(
         raise CorruptCheckpointError(f"{source}: state_dict_metadata is not a dict")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
         raise CorruptCheckpointError(f"{source}: storage_meta is a {type(metadata.storage_meta).__name__}, expected a StorageMeta or None")
+    named: set[str] = set()  # file names checked: a checkpoint has a few files for thousands of items
     for index, item in items.items():
-        for stored in (item, *copies.get(index, ())):
-            _check_location(index, stored, source)
+        for stored in (item, *copies.get(index, ())) if copies else (item,):
+            _check_location(index, stored, source, named)
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(fqn, str):
             raise CorruptCheckpointError(f"{source}: key {fqn!r} is not a string")
@@ -83,8 +85,10 @@ def check_metadata(
             raise CorruptCheckpointError(f"{source}: key {fqn!r} has unknown metadata {type(md).__name__}")
 
 
-def _check_location(index: MetadataIndex, item: StoredItem, source: str) -> None:
-    check_relative_name(source, item.relative_path, index.fqn)
+def _check_location(index: MetadataIndex, item: StoredItem, source: str, named: set[str]) -> None:
+    path = item.relative_path
+    if type(path) is not str or path not in named:  # anything but a str is refused right there
+        named.add(check_relative_name(source, path, index.fqn))
     payload = item.payload_offset
     if (
         not _non_negative_ints((item.offset, item.length))
@@ -116,12 +120,13 @@ def _check_tensor(
             or any(o + s > n for o, s, n in zip(offsets, sizes, md.size))
         ):
             raise chunk_outside_tensor(source, fqn, offsets, sizes, md.size)
-        index = MetadataIndex(fqn, offsets)
+        # DCP's constructor copies the offsets into a new torch.Size; the pickle's already are one
+        index = frozen(MetadataIndex, fqn=fqn, offset=offsets if type(offsets) is torch.Size else torch.Size(offsets), index=None)
         item = items.get(index)
         if item is None:
             raise CorruptCheckpointError(f"{source}: tensor {fqn!r} chunk at {list(offsets)} has no stored location")
         nbytes = numel(sizes) * dtype.itemsize
-        for stored in (item, *copies.get(index, ())):
+        for stored in (item, *copies.get(index, ())) if copies else (item,):
             if stored.transforms:  # compressed: any stored size; decoding is bounded instead
                 continue
             if nbytes > stored.length or (
