@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError, UnsafeCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.safe_pickle import largest_memo_slot
+from dcp_ext.runtime.frozen import frozen
 
 PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and pickle
 SMALL_WRITE = 64 << 10  # below this a write is gathered with its neighbours, not passed on
@@ -343,6 +344,11 @@ class _ProbedRecord(io.RawIOBase):
                 ranges.append((len(self.head) + lo - self.tail_start, len(self.head) + hi - self.tail_start))
         return tuple(ranges)
 
+    def ends_position(self, start: int, n: int) -> int:
+        """Where the record's bytes ``[start, start + n)`` lie in ``ends()``, taken from the
+        end ``peek`` takes them from (one must hold them whole)."""
+        return start if start + n <= len(self.head) else len(self.head) + start - self.tail_start
+
     def ends(self, zeroed: Sequence[tuple[int, int]] = ()) -> bytearray:
         """The head and the tail back to back, with the ``zeroed`` ranges of that zeroed."""
         out = bytearray(self.head)
@@ -493,6 +499,8 @@ class _Frame:
     parsed: _Parsed
     fixed_crcs: bool  # an entry the parse reads has a CRC-32 (so the record has them)
     data_crc_field: int  # the storage entry's CRC-32 field, one of ``crc_fields``
+    kept: tuple[tuple[int, int], ...] = ()  # ranges of ``ends`` compared: all but ``zeroed``
+    crc_at: tuple[int, ...] = ()  # where each of ``crc_fields`` lies in ``ends``
 
     @classmethod
     def of(cls, probe: _ProbedRecord, parsed: _Parsed) -> _Frame | None:
@@ -529,18 +537,30 @@ class _Frame:
         if data_crc_field is None or any(probe.peek(field, 4) is None for field in crc_fields):
             return None
         zeroed = probe.end_ranges(spans)
-        return cls(bytes(probe.ends(zeroed)), zeroed, tuple(crc_fields), parsed, fixed_crcs, data_crc_field)
+        ends = bytes(probe.ends(zeroed))
+        kept, at = [], 0
+        for lo, hi in sorted(zeroed):
+            if lo > at:
+                kept.append((at, lo))
+            at = max(at, hi)
+        kept += [(at, len(ends))] if at < len(ends) else []
+        crc_at = tuple(probe.ends_position(field, 4) for field in crc_fields)
+        return cls(ends, zeroed, tuple(crc_fields), parsed, fixed_crcs, data_crc_field, tuple(kept), crc_at)
 
     def match(self, probe: _ProbedRecord) -> TensorLayout | None:
-        """The layout of ``probe``'s record (of the same length) if it is framed like this
-        one; None when it is not, or when its CRC-32s would make a full parse differ."""
-        if probe.ends(self.zeroed) != self.ends:
+        """The layout of ``probe``'s record (of the same length, so its ends lie where this
+        one's do) if it is framed like this one; None when it is not, or when its CRC-32s
+        would make a full parse differ. Compares the ranges the frame keeps, not a zeroed
+        copy of the probe's ends (~9 against ~24 us a record)."""
+        ends, frame = probe.head + probe.tail, self.ends
+        if len(ends) != len(frame) or any(ends[lo:hi] != frame[lo:hi] for lo, hi in self.kept):
             return None
-        crcs = {field: int.from_bytes(probe.peek(field, 4) or bytes(4), "little") for field in self.crc_fields}
-        if (self.fixed_crcs or any(crcs.values())) != self.parsed.crcs:
+        crcs = [int.from_bytes(ends[at : at + 4], "little") for at in self.crc_at]
+        if (self.fixed_crcs or any(crcs)) != self.parsed.crcs:
             return None
-        data_crc = crcs[self.data_crc_field]
-        return dataclasses.replace(self.parsed.layout, payload_crc32=data_crc if self.parsed.crcs else None)
+        data_crc = crcs[self.crc_fields.index(self.data_crc_field)] if self.parsed.crcs else None
+        # the parse's layout with this record's CRC-32 (dataclasses.replace runs the frozen __init__: ~10 us)
+        return frozen(TensorLayout, **{**self.parsed.layout.__dict__, "payload_crc32": data_crc})
 
 
 def _central_headers(probe: _ProbedRecord, parsed: _Parsed) -> list[int] | None:

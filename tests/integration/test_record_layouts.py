@@ -87,10 +87,9 @@ def test_every_flipped_byte_gives_the_full_parse_answer(kind, first_crc, crc):
         second[position] ^= 0xFF
 
 
-def padded_record_without_crcs(tensor: torch.Tensor, pad: int) -> bytes:
+def padded_record(tensor: torch.Tensor, pad: int) -> bytes:
     """A ``torch.save`` record rewritten with ``pad`` bytes of a pickled string (popped at
-    once: the same tensor) before the pickle's tensor, and every zip CRC-32 set to 0 as in
-    a record written without them (ours, or ``set_crc32_options(False)``)."""
+    once: the same tensor) before the pickle's tensor."""
     archive = zipfile.ZipFile(io.BytesIO(record(tensor)))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
@@ -99,15 +98,46 @@ def padded_record_without_crcs(tensor: torch.Tensor, pad: int) -> bytes:
             if info.filename.endswith("data.pkl"):  # PROTO 2, then BINUNICODE + POP, then the rest
                 data = data[:2] + b"X" + struct.pack("<I", pad) + b"p" * pad + b"0" + data[2:]
             rewritten.writestr(info.filename, data)
-    data = bytearray(out.getvalue())
-    check = zipfile.ZipFile(io.BytesIO(bytes(data)))
+    return out.getvalue()
+
+
+def central_crc_fields(data: bytes) -> dict[str, int]:
+    """Where each entry's CRC-32 lies in the record's central directory."""
+    check = zipfile.ZipFile(io.BytesIO(data))
+    fields, at = {}, check.start_dir
     for info in check.infolist():
-        data[info.header_offset + 14 : info.header_offset + 18] = bytes(4)  # local header CRC-32
-    at = check.start_dir
-    for _ in check.infolist():
-        data[at + 16 : at + 20] = bytes(4)  # central directory CRC-32
+        fields[info.filename] = at + 16
         at += 46 + sum(struct.unpack("<HHH", data[at + 28 : at + 34]))
+    return fields
+
+
+def padded_record_without_crcs(tensor: torch.Tensor, pad: int) -> bytes:
+    """``padded_record`` with every zip CRC-32 set to 0 as in a record written without
+    them (ours, or ``set_crc32_options(False)``)."""
+    data = bytearray(padded_record(tensor, pad))
+    for info in zipfile.ZipFile(io.BytesIO(bytes(data))).infolist():
+        data[info.header_offset + 14 : info.header_offset + 18] = bytes(4)  # local header CRC-32
+    for field in central_crc_fields(bytes(data)).values():
+        data[field : field + 4] = bytes(4)
     return bytes(data)
+
+
+def test_a_crc_field_across_the_end_of_the_head_is_read_from_the_tail():
+    """A record under two probes long holds its middle twice (head and tail overlap); its
+    storage entry's CRC-32 field across the head's end is whole only in the tail, where a
+    frame match must read it: the second record's CRC-32 is its own, as a full parse says."""
+    tensor = lambda n: torch.arange(16.0) + n  # noqa: E731
+
+    def storage_crc_field(data: bytes) -> int:
+        return next(at for name, at in central_crc_fields(data).items() if name.endswith("/data/0"))
+
+    pad = next(p for p in range(3000, 4200) if storage_crc_field(padded_record(tensor(0), p)) in range(PROBE_BYTES - 3, PROBE_BYTES))
+    first, second = padded_record(tensor(0), pad), padded_record(tensor(1), pad)
+    assert len(first) == len(second) < 2 * PROBE_BYTES
+    layouts = RecordLayouts()
+    layouts.parse(len(first), reader_of(first), "f key 'k'")
+    assert outcome(layouts.parse, second) == outcome(parse_tensor_record, second)
+    assert layouts.parsed_in_full == 1
 
 
 def test_a_record_whose_pickle_reaches_past_the_head_is_always_parsed_in_full():
