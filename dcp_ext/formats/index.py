@@ -809,21 +809,24 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
         hints = np.array([h if type(h := indices[i].index) is int else -1 for i in known.tolist()], np.int64)
         rows = np.full(len(indices), -2, np.int64)
         rows[known] = self._rows.find_hinted(ks[known], offsets, hints)
-        self._make(np.unique(rows[rows >= 0]), dict(zip(rows.tolist(), (index.fqn for index in indices))))
+        found = rows.tolist()
+        self._make({row: index.fqn for row, index in zip(found, indices) if row >= 0})
         made = self._made
-        return [made[row] if row >= 0 else None if row == -1 else self.get(index) for index, row in zip(indices, rows.tolist())]
+        return [made[row] if row >= 0 else None if row == -1 else self.get(index) for index, row in zip(indices, found)]
 
     def items_at(self, rows: list[int], fqns: list[str]) -> list[StoredItem]:
         """The items of index rows ``rows`` (checked rows of keys ``fqns``, as
         ``stacked_boxes`` gives them): no lookup at all."""
-        fqn_of = dict(zip(rows, fqns))  # each row once
-        self._make(np.fromiter(fqn_of, np.int64, len(fqn_of)), fqn_of)
+        self._make(dict(zip(rows, fqns)))
         made = self._made
         return [made[row] for row in rows]
 
-    def _make(self, rows: np.ndarray, fqn_of: dict[int, str]) -> None:
-        """Build the items of ``rows`` (of keys ``fqn_of[row]``) not built yet, from column slices."""
-        rows = rows[[row not in self._made for row in rows.tolist()]]
+    def _make(self, fqn_of: dict[int, str]) -> None:
+        """Build the items of rows ``fqn_of`` (of keys ``fqn_of[row]``) not built yet, from
+        column slices. The rows come deduplicated by the dict: ``np.unique`` imports
+        ``numpy.ma`` on its first call (10 ms of a fresh process's first load)."""
+        made = self._made
+        rows = np.fromiter((row for row in fqn_of if row not in made), np.int64)
         if not len(rows):
             return
         cols = self._cols

@@ -139,3 +139,23 @@ def test_a_verified_load_of_records_without_crc32c_checks_their_zip_crc32(tmp_pa
     assert_tensor_equal(got["b"], saved["b"], "b")
     with pytest.raises(ChecksumMismatchError, match="crc32 mismatch"):
         _load(ShardReader(tmp_path, verify_checksums=True, cache_metadata=False), ShardLoadPlanner(), got)
+
+
+def test_a_fresh_process_loads_without_importing_numpy_ma(tmp_path):
+    """``np.unique`` imports ``numpy.ma`` on its first call, 10 ms of a resumed job's first
+    load; the load path (record lookups included) dedupes rows without it."""
+    import subprocess
+    import sys
+
+    _saved(tmp_path)
+    script = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "from dcp_ext import ShardLoadPlanner, ShardReader\n"
+        "state = {'w': torch.empty(6, 5), 'b': torch.empty(7, dtype=torch.bfloat16), 'scalar': torch.empty(()), 'step': 0}\n"
+        f"dcp.load(state, storage_reader=ShardReader({str(tmp_path)!r}), planner=ShardLoadPlanner(), no_dist=True)\n"
+        "assert state['step'] == 12, state['step']\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
