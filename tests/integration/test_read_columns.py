@@ -152,10 +152,13 @@ def test_a_fresh_process_loads_without_importing_numpy_ma(tmp_path):
         "import sys, torch, torch.distributed.checkpoint as dcp\n"
         "from dcp_ext import ShardLoadPlanner, ShardReader\n"
         "state = {'w': torch.empty(6, 5), 'b': torch.empty(7, dtype=torch.bfloat16), 'scalar': torch.empty(()), 'step': 0}\n"
+        "before = 'numpy.ma' in sys.modules\n"
         f"dcp.load(state, storage_reader=ShardReader({str(tmp_path)!r}), planner=ShardLoadPlanner(), no_dist=True)\n"
         "assert state['step'] == 12, state['step']\n"
-        "print('numpy.ma' in sys.modules)\n"
+        "print(before, 'numpy.ma' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    if done.stdout.split()[0] == "True":  # e.g. pyarrow imports pandas where it is installed
+        pytest.skip("numpy.ma is imported before any load in this environment: the load's imports cannot show")
+    assert done.stdout.split() == ["False", "False"]
