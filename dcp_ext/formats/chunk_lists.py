@@ -14,14 +14,16 @@ import itertools
 import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
+from dcp_ext.formats.pickle_splice import PickledPrefix, dumps_after, pickled_prefix
 from dcp_ext.runtime.gc_pause import gc_paused
 
+T = TypeVar("T")
 Boxes = tuple[np.ndarray, np.ndarray]  # (offsets, sizes) of a key's chunks, (chunks, ndim) int64 each
 
 
@@ -35,6 +37,7 @@ class ChunkListsOnDemand(Mapping[str, Any]):
         self._boxes = boxes
         self._key_of = {fqn: k for k, fqn in enumerate(state)}
         self._built = np.array([not isinstance(md, TensorStorageMetadata) for md in state.values()], bool)
+        self._derived: dict[Callable[[Any], Any], Any] = {}
 
     def __getitem__(self, fqn: str) -> Any:
         k = self._key_of[fqn]
@@ -56,8 +59,21 @@ class ChunkListsOnDemand(Mapping[str, Any]):
         return fqn in self._key_of
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
+        return dict, (self.plain(),)
+
+    def plain(self) -> dict[str, Any]:
+        """The mapping as a plain dict, every chunk list built."""
         with gc_paused():
-            return dict, ({fqn: self[fqn] for fqn in self},)
+            return {fqn: self[fqn] for fqn in self}
+
+    def derived(self, make: Callable[[Any], T]) -> T:
+        """``make(self)``, worked out once per mapping: what a save's ``.metadata`` and
+        index take from it. The global plan a save reuses (``cache_plans``) keeps this
+        mapping, which nothing changes once built (a racing thread makes an equal value)."""
+        if make not in self._derived:
+            with gc_paused():
+                self._derived[make] = make(self)
+        return self._derived[make]
 
 
 class MetadataOnDemand(Metadata):
@@ -79,9 +95,49 @@ class MetadataOnDemand(Metadata):
         pickled = self.__dict__.pop("_pickled", None)
         if pickled is not None and sys._getframe(1).f_code.co_name == "_object_to_tensor":  # torch's broadcast
             return pickle.loads, (pickled,)
+        return self._reduced(dict(self.state_dict_metadata))  # every chunk list built
+
+    def _reduced(self, state_dict_metadata: dict[str, Any]) -> tuple[type, tuple[Any, ...]]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Metadata)}
-        fields["state_dict_metadata"] = dict(self.state_dict_metadata)  # every chunk list built
+        fields["state_dict_metadata"] = state_dict_metadata
         return Metadata, tuple(fields.values())
+
+    def dumps(self) -> bytes:
+        """This metadata's pickle (``.metadata``): what ``pickle.dumps`` makes of it, loading
+        to an equal ``Metadata``, with the chunk lists pickled once per mapping
+        (``ChunkListsOnDemand.derived``): a training loop's saves reuse one global plan,
+        whose lists were 10 of 15 ms of this pickle at 1,180 chunks."""
+        keys = self.state_dict_metadata
+        if isinstance(keys, ChunkListsOnDemand):
+            prefix = keys.derived(_pickled_plain)
+            if prefix is not None:
+                try:
+                    with gc_paused():
+                        return dumps_after(prefix, _Reduces(self._reduced(prefix.obj)))
+                except ValueError:  # a str or bytes of 64 KiB or more in the rest: pickled afresh
+                    pass
+        return pickle.dumps(self)
+
+
+def _pickled_plain(keys: ChunkListsOnDemand) -> PickledPrefix | None:
+    """The mapping as a plain dict, pickled to start ``.metadata`` streams; None where it
+    cannot start one (``pickled_prefix``'s ValueError)."""
+    try:
+        return pickled_prefix(keys.plain())
+    except ValueError:
+        return None
+
+
+class _Reduces:
+    """Pickles as ``reduced``, a ``__reduce__`` value."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, reduced: tuple[Any, tuple[Any, ...]]) -> None:
+        self.reduced = reduced
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.reduced
 
 
 def torch_sizes(values: np.ndarray) -> Iterable[torch.Size]:

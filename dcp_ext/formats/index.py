@@ -164,10 +164,11 @@ def encode_index(
     return sink.getvalue()
 
 
-@dataclass
-class _Rows:
-    """The index rows of a save, column by column: canonical chunks in metadata order,
-    then the TP-replica copies."""
+@dataclass(frozen=True)
+class _KeyLayout:
+    """What the index rows take from the state dict's metadata alone: the keys, their
+    facts and every row's box, canonical chunks in metadata order. Worked out once per
+    ``ChunkListsOnDemand`` (``derived``): a training loop's saves reuse one global plan."""
 
     names: list[str]
     tensors: dict[str, list[Any]]  # fqn -> [dtype, shape, requires_grad, pin_memory(, strides: torch >= 2.15)]
@@ -175,26 +176,20 @@ class _Rows:
     ndim: np.ndarray  # per row: box length (-1: bytes row, no box)
     offsets: np.ndarray  # boxes back to back
     sizes: np.ndarray
-    stored: list[StoredItem]
-    copy: np.ndarray
+    spans: dict[str, tuple[int, list[Any]]]  # fqn -> (first row, each row's chunk offsets; [None]: bytes)
 
     @classmethod
-    def collect(
-        cls, metadata: Metadata, items: dict[MetadataIndex, StoredItem], copies: dict[MetadataIndex, list[StoredItem]]
-    ) -> _Rows:
-        names = list(metadata.state_dict_metadata)
+    def of(cls, state_dict_metadata: Mapping[str, Any]) -> _KeyLayout:
+        names = list(state_dict_metadata)
         tensors: dict[str, list[Any]] = {}
-        by_key: dict[str, dict[Any, StoredItem]] = {}  # fqn -> {chunk offsets (None: bytes): item}
-        for index, item in items.items():
-            by_key.setdefault(index.fqn, {})[index.offset] = item
-        stored: list[StoredItem] = []
-        spans: dict[str, tuple[int, list[Any]]] = {}  # fqn -> (first row, each row's offsets)
+        spans: dict[str, tuple[int, list[Any]]] = {}
         counts, ndims = [], []  # per key: rows, box length
         # every row's offsets (and sizes) back to back over all keys, turned into numpy once:
         # a conversion per key cost 1.2 s of a million-chunk save
         flat_off: list[int] = []
         flat_size: list[int] = []
-        for fqn, md in metadata.state_dict_metadata.items():
+        rows = 0
+        for fqn, md in state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 props = md.properties
                 tensors[fqn] = [dtype_name(props.dtype), list(md.size), props.requires_grad, props.pin_memory]
@@ -209,16 +204,45 @@ class _Rows:
                 flat_size.extend(itertools.chain.from_iterable(sizes))
             else:
                 n, nd, offsets = 1, -1, [None]
-            spans[fqn] = (len(stored), offsets)
-            stored.extend(map(by_key.get(fqn, {}).__getitem__, offsets))  # no item for a chunk: a bug upstream
+            spans[fqn] = (rows, offsets)
+            rows += n
             counts.append(n)
             ndims.append(nd)
         key = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
         ndim = np.repeat(np.array(ndims, np.int64), counts)
-        offsets, sizes = np.array(flat_off, np.int64), np.array(flat_size, np.int64)
+        return cls(names, tensors, key, ndim, np.array(flat_off, np.int64), np.array(flat_size, np.int64), spans)
+
+
+@dataclass
+class _Rows:
+    """The index rows of a save, column by column: canonical chunks in metadata order,
+    then the TP-replica copies."""
+
+    names: list[str]
+    tensors: dict[str, list[Any]]
+    key: np.ndarray
+    ndim: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    stored: list[StoredItem]
+    copy: np.ndarray
+
+    @classmethod
+    def collect(
+        cls, metadata: Metadata, items: dict[MetadataIndex, StoredItem], copies: dict[MetadataIndex, list[StoredItem]]
+    ) -> _Rows:
+        keys = metadata.state_dict_metadata
+        layout = keys.derived(_KeyLayout.of) if isinstance(keys, ChunkListsOnDemand) else _KeyLayout.of(keys)
+        by_key: dict[str, dict[Any, StoredItem]] = {}  # fqn -> {chunk offsets (None: bytes): item}
+        for index, item in items.items():
+            by_key.setdefault(index.fqn, {})[index.offset] = item
+        stored: list[StoredItem] = []
+        for fqn, (_, offsets) in layout.spans.items():
+            stored.extend(map(by_key.get(fqn, {}).__getitem__, offsets))  # no item for a chunk: a bug upstream
+        key, ndim, offsets, sizes = layout.key, layout.ndim, layout.offsets, layout.sizes
         copy = np.zeros(len(stored), bool)
         if copies:
-            rows = np.array(_copied_rows(copies, spans), np.int64)
+            rows = np.array(_copied_rows(copies, layout.spans), np.int64)
             stored.extend(item for extra in copies.values() for item in extra)
             elems = np.maximum(ndim, 0)
             starts, lengths = (np.cumsum(elems) - elems)[rows], elems[rows]
@@ -226,7 +250,7 @@ class _Rows:
             sizes = np.concatenate([sizes, ragged_take(sizes, starts, lengths)])
             key, ndim = np.concatenate([key, key[rows]]), np.concatenate([ndim, ndim[rows]])
             copy = np.concatenate([copy, np.ones(len(rows), bool)])
-        return cls(names, tensors, key, ndim, offsets, sizes, stored, copy)
+        return cls(layout.names, layout.tensors, key, ndim, offsets, sizes, stored, copy)
 
     def arrays(self) -> list[pa.Array]:
         bytes_row = self.ndim < 0

@@ -358,9 +358,11 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         metadata.version = DCP_METADATA_VERSION
         metadata.storage_data = {index: item.storage_info() for index, item in stored.items()}
         metadata.storage_meta = self._storage_meta()
-        metadata_bytes = pickle.dumps(metadata)
-        if isinstance(metadata, MetadataOnDemand):  # what DCP broadcasts next: these bytes again
-            metadata.broadcast_as(metadata_bytes)
+        if isinstance(metadata, MetadataOnDemand):
+            metadata_bytes = metadata.dumps()
+            metadata.broadcast_as(metadata_bytes)  # what DCP broadcasts next: these bytes again
+        else:
+            metadata_bytes = pickle.dumps(metadata)
         crc = crc32c.crc32c(metadata_bytes)
         index_bytes = encode_index(metadata, stored, metadata_bytes, crc, copies)
         referenced = {item.relative_path for item in stored.values()}

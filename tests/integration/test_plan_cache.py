@@ -54,12 +54,14 @@ def cache_job(rank: int, world_size: int, path: str) -> list[bool]:
         planner = ShardSavePlanner()
         dcp.save(state, storage_writer=ShardWriter(path), planner=planner)
         reused.append(planner.plan_reused)
-        got = _destination(state)
-        dcp.load(got, storage_reader=ShardReader(path), planner=ShardLoadPlanner())
-        assert_state_dict_equal(
-            {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()},
-            {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()},
-        )
+        # our index, and the .metadata stock DCP reads (a reused plan's continues the first's pickle)
+        for reader in (ShardReader(path), dcp.FileSystemReader(path)):
+            got = _destination(state)
+            dcp.load(got, storage_reader=reader, planner=ShardLoadPlanner())
+            assert_state_dict_equal(
+                {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()},
+                {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()},
+            )
     return reused
 
 
