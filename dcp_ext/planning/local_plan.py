@@ -22,6 +22,7 @@ from dcp_ext.formats.replica_copy import ReplicaCopyIndex
 from dcp_ext.planning.dedup import refine_items
 from dcp_ext.planning.global_plan import RankAssignment
 from dcp_ext.planning.plan_table import PlanTable
+from dcp_ext.runtime.frozen import replaced
 
 
 class TableItems(list):  # type: ignore[type-arg]
@@ -56,4 +57,4 @@ def _with_hint(item: WriteItem, hint: int) -> WriteItem:
     """``item`` carrying DCP's index hint (its chunk's position in the metadata)."""
     if item.type == WriteItemType.BYTE_IO:
         return item
-    return dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
+    return replaced(item, index=replaced(item.index, index=hint))

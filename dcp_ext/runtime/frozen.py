@@ -19,3 +19,11 @@ def frozen(cls: type[T], **fields: Any) -> T:
     instance = object.__new__(cls)
     instance.__dict__.update(fields)
     return instance
+
+
+def replaced(obj: T, **changes: Any) -> T:
+    """``dataclasses.replace(obj, **changes)`` for such an instance, without the
+    constructors: a save's write items get their index hints so (7 -> 2 us an item)."""
+    instance = object.__new__(type(obj))
+    instance.__dict__.update(obj.__dict__, **changes)
+    return instance

@@ -256,12 +256,12 @@ def tensor_requests(
     device = dest.device if staged or not dest.is_cpu else None
     base = item.offset + layout.payload_offset
     whole = device is None and not verify and box_lengths == layout.shape and layout.is_row_major()
-    if whole and _direct_capable(dest, layout.dtype) and dest.is_contiguous():  # the common case, kept cheap
+    if whole and lands_straight(dest, layout.dtype):  # the common case, kept cheap
         start = base + layout.storage_offset * layout.dtype.itemsize
         if layout.conj or layout.neg:  # resolved once every byte has landed: one request
             resolve = lambda: layout.resolve_in_place(dest)  # noqa: E731
             return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
-        return _whole_pieces(item.relative_path, key, start, dest)
+        return straight_requests(item.relative_path, key, start, dest)
     box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
     if verify:
         if item.checksum is None and layout.payload_crc32 is None:
@@ -277,13 +277,19 @@ def tensor_requests(
     return [_dense_request(slab) for slab in _slabs(view)]
 
 
-def _whole_pieces(path: str, key: str, start: int, dest: torch.Tensor) -> list[Request]:
+def lands_straight(dest: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether stored ``dtype`` elements can be read straight into ``dest``'s own memory
+    (``straight_requests``): host memory, one run of it, the same dtype, no math bits."""
+    return dest.is_cpu and dest.is_contiguous() and _direct_capable(dest, dtype)
+
+
+def straight_requests(path: str, key: str, start: int, dest: torch.Tensor) -> list[Request]:
     """A whole record read straight into ``dest``, in pieces of at most SLAB_BYTES: no
     temporary is involved, but a large tensor read as one request is one thread's work
     while the others may have finished (a 64 MiB tensor in a 120 MB load)."""
     nbytes = dest.nbytes
     if nbytes <= SLAB_BYTES:
-        return [Request(path, key, [(start, nbytes)], lambda: [tensor_bytes(dest)])]
+        return [Request(path, key, [(start, nbytes)], lambda: [tensor_bytes(dest)])] if nbytes else []
     return [
         Request(path, key, [(start + lo, min(SLAB_BYTES, nbytes - lo))],
                 lambda lo=lo: [tensor_bytes(dest)[lo : lo + SLAB_BYTES]])

@@ -46,7 +46,9 @@ from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
     Request,
     copy_record_box,
+    lands_straight,
     raise_if_corrupt,
+    straight_requests,
     tensor_requests,
     whole_record_request,
 )
@@ -418,15 +420,18 @@ class ShardReader(StorageReader):
     def _direct_requests(self, direct: DirectPieces, position: int) -> list[Request]:
         """Requests of a direct piece: its record's layout from the index, its memory from
         the planner's landing tensor; nothing to commit (the planner's ``commit_tensor``
-        is DCP's, which does nothing)."""
+        is DCP's, which does nothing). A whole chunk filling a whole shard of host memory
+        (most pieces) goes straight there without building its layout."""
         reads, piece, record = direct.reads, direct.pieces[position], direct.records[position]
-        fqn = reads.fqn(piece)
+        shard = reads.shard[piece]
+        fqn, dtype, landing, lengths = reads.fqns[shard], reads.dtypes[shard], reads.landings[shard], reads.lengths[piece]
+        if not self.verify_checksums and lengths == reads.saved_sizes[piece] == landing.shape and lands_straight(landing, dtype):
+            return straight_requests(record.relative_path, fqn, record.payload_offset, landing)  # a chunk into a shard
         where = self._where(record.relative_path, fqn)
         dest = reads.destination(piece)
-        lengths = reads.lengths[piece]
         if dest.shape != lengths:
             raise CheckpointError(f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(lengths)}")
-        layout = dense_layout(record.payload_offset - record.offset, reads.dtypes[reads.shard[piece]], reads.saved_sizes[piece])
+        layout = dense_layout(record.payload_offset - record.offset, dtype, reads.saved_sizes[piece])
         return tensor_requests(record, layout, reads.storage_offsets[piece], lengths, dest, fqn, where, self.verify_checksums)
 
     def _finish_read(self, count: int, bytes_read: int, files: set[str], started: float) -> Future[None]:
