@@ -119,13 +119,19 @@ class MetadataOnDemand(Metadata):
         return pickle.dumps(self)
 
 
+SPLICED_BYTES = 4 << 20  # the largest chunk-list pickle kept: ~30 K chunks, ~35 MB held with its memo
+
+
 def _pickled_plain(keys: ChunkListsOnDemand) -> PickledPrefix | None:
     """The mapping as a plain dict, pickled to start ``.metadata`` streams; None where it
-    cannot start one (``pickled_prefix``'s ValueError)."""
+    cannot start one (``pickled_prefix``'s ValueError) or is too large to keep: the memo
+    holds every object the pickle made (~1 KB a chunk), for as long as the plan cache
+    keeps the global plan."""
     try:
-        return pickled_prefix(keys.plain())
+        prefix = pickled_prefix(keys.plain())
     except ValueError:
         return None
+    return prefix if len(prefix.opcodes) <= SPLICED_BYTES else None
 
 
 class _Reduces:

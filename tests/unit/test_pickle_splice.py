@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_ext.formats import chunk_lists
 from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, MetadataOnDemand, _pickled_plain
 from dcp_ext.formats.pickle_splice import dumps_after, pickled_prefix
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
@@ -52,6 +53,14 @@ def test_a_spliced_pickle_loads_as_a_fresh_one(count):
     assert keys.derived(_pickled_plain) is keys.derived(_pickled_plain)  # once per mapping
     if count == 3000:
         assert len(spliced) > 1 << 17
+
+
+def test_a_chunk_list_pickle_too_large_to_keep_is_not_kept(monkeypatch):
+    monkeypatch.setattr(chunk_lists, "SPLICED_BYTES", 1 << 10)
+    keys = _keys(40)
+    md = _metadata(keys, 0)
+    assert pickle.loads(md.dumps()) == pickle.loads(pickle.dumps(md))
+    assert keys.derived(_pickled_plain) is None
 
 
 def test_objects_of_the_prefix_stay_shared():
