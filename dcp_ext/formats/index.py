@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats.arrow_columns import as_booleans, as_numbers, booleans, is_valid, lists, numbers, strings
 from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, torch_sizes
 from dcp_ext.formats.data_files import check_relative_name
 from dcp_ext.formats.faults import chunk_outside_tensor, invalid_byte_range, invalid_tensor_facts
@@ -260,20 +261,24 @@ class _Rows:
         files, offset, length, payload, checksum, transforms = zip(*self.stored) if self.stored else ((),) * 6
         file_codes: dict[str, int] = {}
         file_column = np.array([file_codes.setdefault(f, len(file_codes)) for f in files], np.int32)
+        transform_codes: dict[str, int] = {}
+        transform_column = np.array([transform_codes.setdefault(",".join(t), len(transform_codes)) if t else -1
+                                     for t in transforms], np.int32)
+        has_checksum = np.array([c is not None for c in checksum], bool)
         return [
-            pa.DictionaryArray.from_arrays(pa.array(self.key, pa.int32()), pa.array(self.names, pa.string())),
-            pa.ListArray.from_arrays(pa.array(box_ends), pa.array(self.offsets, pa.int64()), mask=pa.array(bytes_row)),
-            pa.ListArray.from_arrays(pa.array(box_ends), pa.array(self.sizes, pa.int64()), mask=pa.array(bytes_row)),
+            pa.DictionaryArray.from_arrays(numbers(self.key, pa.int32()), strings(self.names)),
+            lists(box_ends, numbers(self.offsets, pa.int64()), valid=~bytes_row),
+            lists(box_ends, numbers(self.sizes, pa.int64()), valid=~bytes_row),
+            pa.DictionaryArray.from_arrays(numbers(dtype_of_key[self.key], pa.int8(), valid=~bytes_row), strings(dtypes)),
+            pa.DictionaryArray.from_arrays(numbers(file_column, pa.int32()), strings(list(file_codes))),
+            numbers(offset, pa.int64()),
+            numbers(length, pa.int64()),
+            numbers(payload, pa.int64()),
+            numbers([c or 0 for c in checksum], pa.uint32(), valid=has_checksum),
+            booleans(self.copy),
             pa.DictionaryArray.from_arrays(
-                pa.array(dtype_of_key[self.key], pa.int8(), mask=bytes_row), pa.array(dtypes, pa.string())
+                numbers(np.maximum(transform_column, 0), pa.int32(), valid=transform_column >= 0), strings(list(transform_codes))
             ),
-            pa.DictionaryArray.from_arrays(pa.array(file_column, pa.int32()), pa.array(list(file_codes), pa.string())),
-            pa.array(offset, pa.int64()),
-            pa.array(length, pa.int64()),
-            pa.array(payload, pa.int64()),
-            pa.array(checksum, pa.uint32()),
-            pa.array(self.copy, pa.bool_()),
-            pa.array([",".join(t) if t else None for t in transforms], pa.string()).dictionary_encode(),
         ]
 
 
@@ -316,7 +321,7 @@ def _decode(data: bytes, source: str) -> IndexedCheckpoint:
         if header.get("format") != INDEX_FORMAT:
             raise ValueError(f"format {header.get('format')!r}, expected {INDEX_FORMAT!r}")
         if "copy" not in table.column_names:  # written before TP-replica copies existed
-            table = table.append_column("copy", pa.array([False] * table.num_rows))
+            table = table.append_column("copy", booleans(np.zeros(table.num_rows, bool)))
         # no "transforms": written before compressed records existed, or not one record is compressed
         schema = pa.schema([field for field in _READ_SCHEMA if field.name in table.column_names])
         table = table.select(schema.names)
@@ -447,25 +452,25 @@ class _Columns:
         col = {name: _one_array(table.column(name)) for name in table.column_names}
         transforms = col.get("transforms")
         off, size = col["offsets"], col["sizes"]
-        off_ends, size_ends = _numpy(off.offsets), _numpy(size.offsets)
+        off_ends, size_ends = as_numbers(off.offsets, np.int32), as_numbers(size.offsets, np.int32)
         return cls(
-            fqn=_numpy(col["fqn"].indices),
+            fqn=as_numbers(col["fqn"].indices, np.int32),
             fqn_names=col["fqn"].dictionary.to_pylist(),
-            box_null=~(_valid(off) & _valid(size)),
+            box_null=~(is_valid(off) & is_valid(size)),
             off_start=off_ends[:-1],
             off_end=off_ends[1:],
-            off_values=_numpy(off.values),
+            off_values=as_numbers(off.values, np.int64),
             size_start=size_ends[:-1],
             size_end=size_ends[1:],
-            size_values=_numpy(size.values),
-            file=_numpy(col["file"].indices),
+            size_values=as_numbers(size.values, np.int64),
+            file=as_numbers(col["file"].indices, np.int32),
             file_names=FileNames(col["file"].dictionary, source),
-            offset=_numpy(col["offset"]),
-            length=_numpy(col["length"]),
-            payload=_numpy(col["payload_offset"]),
-            checksum=_values(col["checksum"], np.uint32),
-            has_checksum=_valid(col["checksum"]),
-            copy=_numpy(col["copy"]).astype(bool) & _valid(col["copy"]),
+            offset=as_numbers(col["offset"], np.int64),
+            length=as_numbers(col["length"], np.int64),
+            payload=as_numbers(col["payload_offset"], np.int64),
+            checksum=as_numbers(col["checksum"], np.uint32),
+            has_checksum=is_valid(col["checksum"]),
+            copy=as_booleans(col["copy"]) & is_valid(col["copy"]),
             transforms=_codes_or_minus_one(transforms, table.num_rows),
             transform_names=[] if transforms is None else transforms.dictionary.to_pylist(),
             nulls={
@@ -480,31 +485,12 @@ def _one_array(column: pa.ChunkedArray) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
-def _numpy(array: pa.Array) -> np.ndarray:
-    return array.to_numpy(zero_copy_only=False)
-
-
-def _values(array: pa.Array, dtype: type) -> np.ndarray:
-    """A primitive column's value buffer, nulls included as whatever bytes they hold."""
-    return np.frombuffer(array.buffers()[1], dtype)[array.offset : array.offset + len(array)]
-
-
 def _codes_or_minus_one(array: pa.DictionaryArray | None, rows: int) -> np.ndarray:
     """A dictionary column's codes, -1 where null; an absent or all-null column (which
     may have no buffer) reads as one read-only -1 broadcast over the rows."""
     if array is None or array.null_count == len(array):
         return np.broadcast_to(np.int32(-1), (rows,))
-    return np.where(_valid(array), _values(array.indices, np.int32), -1)
-
-
-def _valid(array: pa.Array) -> np.ndarray:
-    """Per row, not null: read from the validity bitmap (no Arrow compute kernels, whose
-    thread pool can abort the interpreter at exit, see ``decode_index``)."""
-    bitmap = array.buffers()[0]
-    if bitmap is None or array.null_count == 0:
-        return np.broadcast_to(True, (len(array),))  # read-only: a million Trues not stored
-    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
-    return bits[array.offset : array.offset + len(array)].astype(bool)
+    return np.where(is_valid(array), as_numbers(array.indices, np.int32), -1)
 
 
 def _build(header: dict[str, Any], keys: _Keys, cols: _Columns, source: str) -> IndexedCheckpoint:

@@ -310,3 +310,27 @@ def test_stacked_boxes_refuse_keys_of_several_ndims():
     bounds, off, size, rows = keys.stacked_boxes(ks[:1])
     assert bounds.tolist() == [0, 2] and off.tolist() == [[0, 0], [3, 0]] and size.tolist() == [[3, 3], [2, 3]]
     assert len(rows) == 2
+
+
+def test_the_written_columns_are_what_pyarrow_reads_row_by_row():
+    """The columns are built from buffers (``formats.arrow_columns``), not by pyarrow's
+    conversions: a valid table of the index schema, nulls where a row has no box, dtype,
+    checksum or transform."""
+    metadata, items, copies = checkpoint()
+    without = MetadataIndex("w", [3, 0])
+    items[without] = items[without]._replace(checksum=None)
+    table = pq.read_table(io.BytesIO(encode_index(metadata, items, b"m", 1, copies)))
+    table.validate(full=True)
+    assert table.schema.remove_metadata() == index_module._SCHEMA
+    names = ["fqn", "offsets", "sizes", "dtype", "file", "offset", "length", "payload_offset", "checksum", "copy", "transforms"]
+    rows = [
+        ["w", [0, 0], [3, 3], "bfloat16", "__0_0.distcp", 0, 900, 800, 11, False, None],
+        ["w", [3, 0], [2, 3], "bfloat16", "__1_0.distcp", 0, 700, 600, None, False, None],
+        ["norm", [0], [7], "float32", "__0_0.distcp", 900, 600, 1000, 13, False, "zstd"],
+        ["empty", [0, 0], [0, 4], "int64", "__0_0.distcp", 1500, 500, -1, 14, False, None],
+        ["step", None, None, None, "__1_0.distcp", 700, 40, -1, 15, False, None],
+        ["norm", [0], [7], "float32", "__1_0.distcp", 740, 600, 840, 13, True, "zstd"],
+    ]
+    assert table.to_pylist() == [dict(zip(names, row)) for row in rows]
+    back = decode_index(encode_index(metadata, items, b"m", 1, copies), "ckpt/.index")
+    assert dict(back.items) == items
