@@ -36,18 +36,24 @@ class ChunkListsOnDemand(Mapping[str, Any]):
         self._state = state
         self._boxes = boxes
         self._key_of = {fqn: k for k, fqn in enumerate(state)}
+        self._names = list(state)
         self._built = np.array([not isinstance(md, TensorStorageMetadata) for md in state.values()], bool)
         self._derived: dict[Callable[[Any], Any], Any] = {}
+        self._prefix: PickledPrefix | None = None  # kept: see pickled()
+        self._spliceable = True  # False once its pickle could not start a stream or was too large to keep
 
     def __getitem__(self, fqn: str) -> Any:
         k = self._key_of[fqn]
         md = self._state[fqn]
         if not self._built[k]:
             with gc_paused():
-                off, size = self._boxes(k)
-                md.chunks = list(map(ChunkStorageMetadata, torch_sizes(off), torch_sizes(size)))
-            self._built[k] = True  # a racing thread builds an equal list
+                self._build(k, md)
         return md
+
+    def _build(self, k: int, md: TensorStorageMetadata) -> None:
+        off, size = self._boxes(k)
+        md.chunks = list(map(ChunkStorageMetadata, torch_sizes(off), torch_sizes(size)))
+        self._built[k] = True  # a racing thread builds an equal list
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._state)
@@ -64,16 +70,40 @@ class ChunkListsOnDemand(Mapping[str, Any]):
     def plain(self) -> dict[str, Any]:
         """The mapping as a plain dict, every chunk list built."""
         with gc_paused():
-            return {fqn: self[fqn] for fqn in self}
+            for k in np.flatnonzero(~self._built).tolist():
+                self._build(k, self._state[self._names[k]])
+            return dict(self._state)
 
     def derived(self, make: Callable[[Any], T]) -> T:
-        """``make(self)``, worked out once per mapping: what a save's ``.metadata`` and
-        index take from it. The global plan a save reuses (``cache_plans``) keeps this
-        mapping, which nothing changes once built (a racing thread makes an equal value)."""
+        """``make(self)``, worked out once per mapping: what a save's index takes from it.
+        The global plan a save reuses (``cache_plans``) keeps this mapping, which nothing
+        changes once built (a racing thread makes an equal value)."""
         if make not in self._derived:
             with gc_paused():
                 self._derived[make] = make(self)
         return self._derived[make]
+
+
+    def pickled(self) -> PickledPrefix | None:
+        """The chunk lists pickled as a plain dict, for ``MetadataOnDemand.dumps``; kept for
+        the next save if at most ``SPLICED_BYTES``: the global plan a save reuses
+        (``cache_plans``) keeps this mapping, which nothing changes once built, and the kept
+        pickler's memo holds every object the pickle made (~1 KB a chunk). A larger one
+        serves this save only; later saves pickle the metadata afresh (None). None also
+        where it cannot start a stream (``pickled_prefix``)."""
+        if self._prefix is not None or not self._spliceable:
+            return self._prefix
+        try:
+            with gc_paused():
+                prefix = pickled_prefix(self.plain())
+        except ValueError:
+            self._spliceable = False
+            return None
+        if len(prefix.opcodes) <= SPLICED_BYTES:
+            self._prefix = prefix
+        else:
+            self._spliceable = False
+        return prefix
 
 
 class MetadataOnDemand(Metadata):
@@ -105,11 +135,11 @@ class MetadataOnDemand(Metadata):
     def dumps(self) -> bytes:
         """This metadata's pickle (``.metadata``): what ``pickle.dumps`` makes of it, loading
         to an equal ``Metadata``, with the chunk lists pickled once per mapping
-        (``ChunkListsOnDemand.derived``): a training loop's saves reuse one global plan,
+        (``ChunkListsOnDemand.pickled``): a training loop's saves reuse one global plan,
         whose lists were 10 of 15 ms of this pickle at 1,180 chunks."""
         keys = self.state_dict_metadata
         if isinstance(keys, ChunkListsOnDemand):
-            prefix = keys.derived(_pickled_plain)
+            prefix = keys.pickled()
             if prefix is not None:
                 try:
                     with gc_paused():
@@ -119,19 +149,7 @@ class MetadataOnDemand(Metadata):
         return pickle.dumps(self)
 
 
-SPLICED_BYTES = 4 << 20  # the largest chunk-list pickle kept: ~30 K chunks, ~35 MB held with its memo
-
-
-def _pickled_plain(keys: ChunkListsOnDemand) -> PickledPrefix | None:
-    """The mapping as a plain dict, pickled to start ``.metadata`` streams; None where it
-    cannot start one (``pickled_prefix``'s ValueError) or is too large to keep: the memo
-    holds every object the pickle made (~1 KB a chunk), for as long as the plan cache
-    keeps the global plan."""
-    try:
-        prefix = pickled_prefix(keys.plain())
-    except ValueError:
-        return None
-    return prefix if len(prefix.opcodes) <= SPLICED_BYTES else None
+SPLICED_BYTES = 4 << 20  # the largest chunk-list pickle kept across saves: ~30 K chunks, ~35 MB held
 
 
 class _Reduces:
@@ -149,6 +167,8 @@ class _Reduces:
 def torch_sizes(values: np.ndarray) -> Iterable[torch.Size]:
     """Rows of ``values`` as torch.Size objects; one shared object when all rows are equal
     (the chunks of a key mostly have one size), which also keeps a pickle small."""
+    if len(values) == 1:  # most keys of a large job: no comparison
+        return [torch.Size(values[0].tolist())]
     if len(values) and bool(np.all(values == values[0])):
         return itertools.repeat(torch.Size(values[0].tolist()), len(values))
     return map(torch.Size, values.tolist())

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_ext.formats import chunk_lists
-from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, MetadataOnDemand, _pickled_plain
+from dcp_ext.formats.chunk_lists import ChunkListsOnDemand, MetadataOnDemand
 from dcp_ext.formats.pickle_splice import dumps_after, pickled_prefix
 from dcp_ext.formats.safe_pickle import load_metadata_pickle
 
@@ -50,7 +50,7 @@ def test_a_spliced_pickle_loads_as_a_fresh_one(count):
         spliced, fresh = md.dumps(), pickle.dumps(md)
         assert pickle.loads(spliced) == pickle.loads(fresh)
         assert load_metadata_pickle(spliced, "test") == pickle.loads(fresh)
-    assert keys.derived(_pickled_plain) is keys.derived(_pickled_plain)  # once per mapping
+    assert keys.pickled() is keys.pickled()  # once per mapping
     if count == 3000:
         assert len(spliced) > 1 << 17
 
@@ -58,9 +58,10 @@ def test_a_spliced_pickle_loads_as_a_fresh_one(count):
 def test_a_chunk_list_pickle_too_large_to_keep_is_not_kept(monkeypatch):
     monkeypatch.setattr(chunk_lists, "SPLICED_BYTES", 1 << 10)
     keys = _keys(40)
-    md = _metadata(keys, 0)
-    assert pickle.loads(md.dumps()) == pickle.loads(pickle.dumps(md))
-    assert keys.derived(_pickled_plain) is None
+    for save in range(2):
+        md = _metadata(keys, save)
+        assert pickle.loads(md.dumps()) == pickle.loads(pickle.dumps(md))
+    assert keys.pickled() is None  # the first save's served it alone; later saves pickle afresh
 
 
 def test_objects_of_the_prefix_stay_shared():
@@ -89,7 +90,7 @@ def test_an_object_written_outside_frames_is_refused(big):
     keys = ChunkListsOnDemand(keys._state, keys._boxes)
     md.state_dict_metadata = keys
     assert pickle.loads(md.dumps()) == pickle.loads(pickle.dumps(md))
-    assert keys.derived(_pickled_plain) is None
+    assert keys.pickled() is None and not keys._spliceable  # tried once
     keys = _keys(3)
     md = _metadata(keys, 0)
     md.planner_data = {"big": (big,)}  # in the part pickled per save: the metadata is pickled afresh
