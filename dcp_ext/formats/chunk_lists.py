@@ -83,7 +83,6 @@ class ChunkListsOnDemand(Mapping[str, Any]):
                 self._derived[make] = make(self)
         return self._derived[make]
 
-
     def pickled(self) -> PickledPrefix | None:
         """The chunk lists pickled as a plain dict, for ``MetadataOnDemand.dumps``; kept for
         the next save if at most ``SPLICED_BYTES``: the global plan a save reuses
