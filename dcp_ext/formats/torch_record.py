@@ -31,7 +31,6 @@ never read as wrong values.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import io
 import pickle
@@ -54,7 +53,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError, InvalidRequestError, UnsafeCheckpointError
 from dcp_ext.formats.index import StoredItem
 from dcp_ext.formats.safe_pickle import largest_memo_slot
-from dcp_ext.runtime.frozen import frozen
+from dcp_ext.runtime.frozen import replaced
 
 PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and pickle
 SMALL_WRITE = 64 << 10  # below this a write is gathered with its neighbours, not passed on
@@ -560,7 +559,7 @@ class _Frame:
             return None
         data_crc = crcs[self.crc_fields.index(self.data_crc_field)] if self.parsed.crcs else None
         # the parse's layout with this record's CRC-32 (dataclasses.replace runs the frozen __init__: ~10 us)
-        return frozen(TensorLayout, **{**self.parsed.layout.__dict__, "payload_crc32": data_crc})
+        return replaced(self.parsed.layout, payload_crc32=data_crc)
 
 
 def _central_headers(probe: _ProbedRecord, parsed: _Parsed) -> list[int] | None:

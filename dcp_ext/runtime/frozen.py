@@ -23,7 +23,8 @@ def frozen(cls: type[T], **fields: Any) -> T:
 
 def replaced(obj: T, **changes: Any) -> T:
     """``dataclasses.replace(obj, **changes)`` for such an instance, without the
-    constructors: a save's write items get their index hints so (7 -> 2 us an item)."""
+    constructors: a save's write items get their index hints so (7 -> 2 us an item), a
+    matched record frame its CRC-32."""
     instance = object.__new__(type(obj))
     instance.__dict__.update(obj.__dict__, **changes)
     return instance
