@@ -42,10 +42,11 @@ from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, check_hold
 from dcp_ext.formats.validate import check_metadata, items_from_storage_data
 from dcp_ext.runtime.lru import Lru, clear_caches
 from dcp_ext.runtime.threads import StartedPool, in_background
-from dcp_ext.storage.location import Location, RangeReader
+from dcp_ext.storage.location import FetchedSpans, Location, RangeReader
 
 METADATA_NAME = ".metadata"
 PROBE_RUN_RECORDS = 16  # fewest records one probing thread takes (each opens its file)
+ENDS_BATCH_RECORDS = 256  # records whose ends are read at once (8 KiB each, held until parsed)
 _SIGNATURE_RETRIES = 3
 
 
@@ -190,7 +191,10 @@ class Catalog:
         93-100 ms cold, 48 ms prefetched (and 58 ms parsed on four threads: CPU work under
         the GIL). Where storage takes no prefetch, runs of the file's records, the file
         opened once per run, go to up to ``threads`` threads, so their small reads wait
-        together."""
+        together. Either way the ends are read ``ENDS_BATCH_RECORDS`` records at a time
+        (``RangeReader.fetch``), a record's tail and the next one's head as one span: 590
+        back-to-back records, warm, 1,180 reads of Python-wrapped ``preadv`` (~11 us each)
+        -> 591 ``pread`` calls, parse 32 -> 20 ms."""
         files: dict[str, list[MetadataIndex]] = {}
         for index in indices:
             files.setdefault(self.item(index).relative_path, []).append(index)
@@ -200,8 +204,12 @@ class Catalog:
         runs: list[list[MetadataIndex]] = []  # of files whose storage took no prefetch
 
         def parse(reader: RangeReader, run: list[MetadataIndex]) -> None:
-            for index in run:
-                layouts[index] = self._parse_layout(reader, records, index)
+            for first in range(0, len(run), ENDS_BATCH_RECORDS):
+                batch = run[first : first + ENDS_BATCH_RECORDS]
+                ends = reader.fetch([(item.offset + start, n) for item in map(self.item, batch)
+                                     for start, n in probed_ranges(item.length)])
+                for index in batch:
+                    layouts[index] = self._parse_layout(reader, ends, records, index)
 
         def parse_run(run: list[MetadataIndex]) -> None:
             with location.open_reader(self.item(run[0]).relative_path, run[0].fqn) as reader:
@@ -225,11 +233,15 @@ class Catalog:
                 parse_run(run)
         return [layouts[index] for index in indices]
 
-    def _parse_layout(self, reader: RangeReader, records: RecordLayouts, index: MetadataIndex) -> TensorLayout:
+    def _parse_layout(self, reader: RangeReader, ends: FetchedSpans, records: RecordLayouts, index: MetadataIndex) -> TensorLayout:
+        """The layout of one record, its ends taken from ``ends`` (bytes further in from ``reader``)."""
         item = self.item(index)
         where = f"{self.url}: file {item.relative_path!r} key {index.fqn!r}"
 
         def read_at(offset: int, n: int) -> bytes:
+            fetched = ends.view(item.offset + offset, n)
+            if fetched is not None:
+                return fetched.tobytes()
             buf = bytearray(n)
             reader.read_into(item.offset + offset, [memoryview(buf)])
             return bytes(buf)

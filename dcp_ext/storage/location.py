@@ -632,6 +632,13 @@ class RangeReader(ABC):
         them all at once while the caller goes on; False where that cannot be said."""
         return False
 
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> FetchedSpans:
+        """The bytes of ``(offset, length)`` ranges, touching ones read as one span, in one
+        ``read_runs`` call (a remote store batches it)."""
+        spans = [(start, bytearray(end - start)) for start, end in merged_ranges(ranges)]
+        self.read_runs([(start, [memoryview(data)]) for start, data in spans])
+        return FetchedSpans(spans)
+
     def close(self) -> None:
         """Release what the reader holds."""
 
@@ -643,6 +650,25 @@ class RangeReader(ABC):
             f"{self.path}: unexpected end of file at byte {offset}{reading} (the file is shorter than when the "
             "load was planned)"
         )
+
+
+class FetchedSpans:
+    """Spans of a file held in memory (``RangeReader.fetch``), answering reads inside one."""
+
+    def __init__(self, spans: Sequence[tuple[int, bytes | bytearray]]):
+        self.starts = [start for start, _ in spans]
+        self.data = [data for _, data in spans]
+
+    def view(self, offset: int, n: int) -> memoryview | None:
+        """Bytes ``[offset, offset + n)`` when one span holds them whole."""
+        at = bisect.bisect_right(self.starts, offset) - 1
+        if at < 0 or offset + n > self.starts[at] + len(self.data[at]):
+            return None
+        pos = offset - self.starts[at]
+        return memoryview(self.data[at])[pos : pos + n]
+
+    def covers(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        return all(self.view(offset, n) is not None for offset, n in ranges)
 
 
 def merged_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -724,6 +750,19 @@ class LocalRangeReader(RangeReader):
             return False
         return True
 
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> FetchedSpans:
+        """``pread`` per span: one syscall and one bytes object each, no buffer to fill."""
+        spans = []
+        for start, end in merged_ranges(ranges):
+            data = os.pread(self.fd, end - start, start)
+            while len(data) < end - start:  # a regular file comes short only at its end, or at a signal
+                more = os.pread(self.fd, end - start - len(data), start + len(data))
+                if not more:
+                    raise self._ended_early(start + len(data))
+                data += more
+            spans.append((start, data))
+        return FetchedSpans(spans)
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -737,20 +776,23 @@ class FsspecRangeReader(RangeReader):
         self.fs, self.path = fs, path
         self.url = fs.unstrip_protocol(path)
         self.concurrent = concurrent  # the filesystem sends a batch's requests at once (``Location.networked``)
-        self._fetched: list[tuple[int, bytearray]] = []  # prefetched spans, by start
+        self._fetched = FetchedSpans(())  # what ``prefetch`` fetched
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> int:
         nbytes = sum(memoryview(b).nbytes for b in buffers)
-        at = bisect.bisect_right(self._fetched, offset, key=lambda span: span[0]) - 1
-        if at >= 0 and offset + nbytes <= self._fetched[at][0] + len(self._fetched[at][1]):
-            start, data = self._fetched[at]
-            pos = offset - start
-            for buf in buffers:
-                view = memoryview(buf).cast("B")
-                view[:] = data[pos : pos + view.nbytes]
-                pos += view.nbytes
-            return nbytes
-        return self.read_runs([(offset, buffers)])
+        data = self._fetched.view(offset, nbytes)
+        if data is None:
+            return self.read_runs([(offset, buffers)])
+        pos = 0
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            view[:] = data[pos : pos + view.nbytes]
+            pos += view.nbytes
+        return nbytes
+
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> FetchedSpans:
+        """From what ``prefetch`` holds when it holds them all."""
+        return self._fetched if self._fetched.covers(ranges) else super().fetch(ranges)
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """Fetch the ranges now, in batches an async filesystem (s3fs, gcsfs) sends
@@ -760,9 +802,7 @@ class FsspecRangeReader(RangeReader):
         spans = merged_ranges(ranges)
         if not self.concurrent or sum(end - start for start, end in spans) > PREFETCH_BYTES:
             return False
-        fetched = [(start, bytearray(end - start)) for start, end in spans]
-        self.read_runs([(start, [memoryview(data)]) for start, data in fetched])
-        self._fetched = fetched
+        self._fetched = super().fetch(ranges)
         return True
 
     @store_errors

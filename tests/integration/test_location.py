@@ -66,6 +66,26 @@ def test_local_and_fsspec_answer_alike(tmp_path) -> None:
     assert local.local_file("a.bin") == str(tmp_path / "a.bin") and remote.local_file("a.bin") is None
 
 
+def test_local_and_fsspec_fetch_ranges_alike_touching_ones_as_one_span(tmp_path) -> None:
+    """``RangeReader.fetch``: the bytes of many small ranges (a stock file's record ends),
+    touching ones read as one span, answering reads inside a span and nothing else; a range
+    past the end of the file fails naming it."""
+    data = os.urandom(10_000)
+    (tmp_path / "f.bin").write_bytes(data)
+    ranges = [(0, 100), (100, 50), (300, 10), (5_000, 4_000), (9_000, 1_000)]
+    for loc in (Location(tmp_path), Location(f"metered://{tmp_path}")):
+        with loc.open_reader("f.bin", "k") as reader:
+            spans = reader.fetch(ranges)
+            assert [len(d) for d in spans.data] == [150, 10, 5_000] and spans.starts == [0, 300, 5_000]
+            for offset, n in [*ranges, (120, 30), (6_000, 4_000)]:
+                assert bytes(spans.view(offset, n)) == data[offset : offset + n]
+            for offset, n in ((140, 20), (299, 2), (10, 1_000), (9_999, 2)):  # across a span's end, or outside
+                assert spans.view(offset, n) is None
+            assert spans.covers(ranges[:2]) and not spans.covers([(200, 1)])
+            with pytest.raises(CheckpointError, match=r"f\.bin: unexpected end of file at byte 10000, reading key 'k'"):
+                reader.fetch([(9_990, 20)])
+
+
 def test_remote_runs_split_into_bounded_parts_land_exactly(tmp_path) -> None:
     data = torch.randint(0, 256, (3 * PART_BYTES + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     (tmp_path / "f.bin").write_bytes(data.numpy().tobytes())
