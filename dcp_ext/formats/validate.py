@@ -30,6 +30,8 @@ _INT = int
 
 
 def _non_negative_ints(values: Any) -> bool:
+    if type(values) is torch.Size:  # holds ints only (its constructor converts or refuses): the common case, in C
+        return not values or min(values) >= 0
     return all(type(v) is _INT and v >= 0 for v in values)
 
 
