@@ -43,6 +43,7 @@ from dcp_ext.planning.plan_table import PlanTable, table_from_items
 from dcp_ext.planning.replica_check import alone_marks, chunk_digest, chunk_digest_rows, held_alone
 from dcp_ext.planning.replica_units import ReplicaUnits, check_units, unit_hashes, with_units
 from dcp_ext.runtime import options
+from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.storage.piece_digests import PieceDigest
 from dcp_ext.storage.read_columns import TensorReads
 from dcp_ext.storage.reader import ReaderMode
@@ -160,6 +161,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             )
         return self.__dict__.copy()
 
+    @gc_paused()  # items, indices, chunks and properties per key, and the table: no garbage
     def create_local_plan(self) -> SavePlan:
         group = exchange_group(self.group) if self.group is not None else False
         # a process alone in its job holds no chunk another rank also declares: no digests
@@ -222,6 +224,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
         cached = plan_id(key) if cached_plan(key) is not None else None
         return cached, first_senders(digests, held_tables())
 
+    @gc_paused()  # the metadata's objects (chunk lists of every key) on a first plan
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # ShardWriter's own check, before the replica check: ranks that paired different saves
         # declare the same chunks with other data, which that check reported as replicas that differ
@@ -278,6 +281,7 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
             hashes.append(sent)
         check_units(result, hashes, mesh)
 
+    @gc_paused()  # the rank's assigned items
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         assignment = new_plan.planner_data
         if not isinstance(assignment, RankAssignment):
@@ -407,6 +411,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         self._shared: set[int] | None = None  # per load: see _shared_tensors
         self._reads: TensorReads | None = None  # per load: the tensor pieces (index loads)
 
+    @gc_paused()  # read items of a pickled .metadata's keys too (an index load's columns pause it themselves)
     def create_local_plan(self) -> LoadPlan:
         self._shared = None
         keys = None if self.metadata is None else self.metadata.state_dict_metadata

@@ -192,6 +192,59 @@ def test_gc_pause_nests_and_restores_the_collector():
         gc.enable()
 
 
+def test_planners_build_their_objects_with_the_collector_paused(tmp_path):
+    """A plan builds objects per key, none garbage: the cyclic collector, which walks every
+    live object each time it runs, stays paused through ShardSavePlanner's local, global
+    and finished plans and ShardLoadPlanner's local plan, also from a stock ``.metadata``
+    (20,000 keys: the save's plan 0.82 -> 0.42-0.48 s). With collections forced every 100
+    allocations, each call runs at most the one collection the pause put off, as it ends
+    (2,000 keys ran dozens before); the collector runs again afterwards."""
+    import gc
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_ext import ShardLoadPlanner, ShardSavePlanner, ShardWriter
+
+    state = {f"layer{i}.w": torch.full((3,), float(i)) for i in range(2_000)}
+    calls: list[list] = []  # [method name, collections while it ran], innermost last
+
+    def noted(planner_class, name):
+        real = getattr(planner_class, name)
+
+        def run(self, *args):
+            calls.append([name, 0])
+            try:
+                return real(self, *args)
+            finally:
+                ran = calls.pop()
+                assert ran[1] <= 1, f"{planner_class.__name__}.{name} ran {ran[1]} collections"
+
+        return type(f"Noted{planner_class.__name__}", (planner_class,), {name: run})
+
+    def on_collection(phase, info):
+        if phase == "start" and calls:
+            calls[-1][1] += 1
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(100)
+    try:
+        for name in ("create_local_plan", "create_global_plan", "finish_plan"):
+            dcp.save(state, storage_writer=ShardWriter(tmp_path / name), planner=noted(ShardSavePlanner, name)(), no_dist=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"), no_dist=True)
+        for path in (tmp_path / "create_local_plan", tmp_path / "stock"):
+            dst = {key: torch.full_like(value, -1.0) for key, value in state.items()}
+            dcp.load(dst, storage_reader=ShardReader(path), planner=noted(ShardLoadPlanner, "create_local_plan")(), no_dist=True)
+            assert all(torch.equal(dst[key], value) for key, value in state.items())
+        assert gc.isenabled()
+        before = gc.get_count()[0]
+        junk = [[] for _ in range(1_000)]
+        assert gc.get_count()[0] < before + len(junk)  # the collector ran on them
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_collection)
+
+
 def test_load_id_matches_the_metadata_storage_meta(tmp_path):
     """As stock readers: ``read_metadata().storage_meta.load_id == reader.load_id``, new per reset."""
     save(sample_state(), tmp_path)
