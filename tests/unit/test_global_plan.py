@@ -17,6 +17,7 @@ from dcp_ext import CheckpointError, InvalidRequestError
 from dcp_ext.formats import index as index_module
 from dcp_ext.megatron import IncompleteSaveError
 from dcp_ext.planning import global_plan as global_plan_module
+from dcp_ext.planning import global_plan as plan_kernels
 from dcp_ext.planning.global_plan import _concat, _fill, _group_ranks, _keyed_box_order, _lexsorted_box_order, _tiles, _unique_boxes, holder_classes, plan_globally
 from dcp_ext.planning.replica_check import ReplicaMismatchError
 from dcp_ext.planning.replica_units import units_per_group
@@ -126,9 +127,43 @@ def boxes(*pairs: tuple[list[int], list[int]]) -> tuple[np.ndarray, np.ndarray]:
         ([([0, 0], [2, 3]), ([0, 0], [2, 3]), ([2, 0], [2, 3])], (4, 3), False),  # a duplicate
     ],
 )
-def test_tiles_accepts_exactly_the_grids_that_cover_the_shape(pairs, shape, tiles):
+def test_tiles_accepts_exactly_the_grids_that_cover_the_shape(pairs, shape, tiles, monkeypatch):
     off, size = boxes(*pairs)
-    assert _tiles(off, size, shape) is tiles
+    assert _tiles(off, size, shape) is tiles  # a few chunks: checked on lists
+    monkeypatch.setattr(plan_kernels, "LISTED_TILES_CHUNKS", 0)
+    assert _tiles(off, size, shape) is tiles  # many: in numpy
+
+
+def test_tiles_on_lists_and_in_numpy_agree_on_random_layouts(monkeypatch):
+    """A key of up to ``LISTED_TILES_CHUNKS`` chunks is checked on lists, a larger one in
+    numpy: both give the same answer for grids, grids with a cell dropped, doubled, moved
+    or resized, and random boxes, in 1-3 dimensions with empty extents among them."""
+    rng = np.random.default_rng(0)
+    listed = lambda off, size, shape: plan_kernels._tiles_listed(off.tolist(), size.tolist(), shape)  # noqa: E731
+    monkeypatch.setattr(plan_kernels, "LISTED_TILES_CHUNKS", -1)
+    answers = []
+    for _ in range(3_000):
+        shape = tuple(int(e) for e in rng.integers(0, 7, rng.integers(1, 4)))
+        cuts = [sorted({0, e, *rng.integers(0, e + 1, rng.integers(0, 3)).tolist()}) for e in shape]
+        cells = np.array(np.meshgrid(*[np.arange(max(1, len(c) - 1)) for c in cuts], indexing="ij")).reshape(len(shape), -1).T
+        off = np.array([[c[i] if len(c) > 1 else 0 for c, i in zip(cuts, cell)] for cell in cells], np.int64)
+        size = np.array([[c[i + 1] - c[i] if len(c) > 1 else 0 for c, i in zip(cuts, cell)] for cell in cells], np.int64)
+        change = rng.integers(0, 6)
+        row, dim = rng.integers(0, len(off)), rng.integers(0, len(shape))
+        if change == 1:
+            off, size = np.delete(off, row, 0), np.delete(size, row, 0)
+        elif change == 2:
+            off, size = np.concatenate([off, off[row : row + 1]]), np.concatenate([size, size[row : row + 1]])
+        elif change == 3:
+            off[row, dim] += rng.integers(-2, 3)
+        elif change == 4:
+            size[row, dim] += rng.integers(-2, 3)
+        elif change == 5:
+            off, size = rng.integers(-1, 5, off.shape), rng.integers(-1, 5, size.shape)
+        if len(off):
+            answers.append(_tiles(off, size, shape))
+            assert answers[-1] is listed(off, size, shape), (off.tolist(), size.tolist(), shape)
+    assert 0.2 < sum(answers) / len(answers) < 0.8  # both kinds of answer were asked for
 
 
 @pytest.mark.parametrize(
