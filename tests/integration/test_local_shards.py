@@ -26,9 +26,34 @@ def _state(rank: int) -> dict[str, object]:
     state["param"] = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Replicate()]))
     submesh = DeviceMesh("cpu", [0, 1])  # ranks 2 and 3 are outside it
     state["on_submesh"] = distribute_tensor(torch.randn(4, 4), submesh, [Shard(0)])
-    state["plain"] = torch.full((3,), float(rank))
+    state.update(_plain_tensors(rank))
     state["step"] = {"lr": 0.1}
     return state
+
+
+def _plain_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """Plain tensors of every kind a state dict holds (their items are built without DCP's constructors)."""
+    return {
+        "plain": torch.full((3,), float(rank)),
+        "needs_grad": torch.randn(2, 3, requires_grad=True),
+        "scalar": torch.tensor(7.0),
+        "empty": torch.empty(0, 4),
+        "transposed": torch.randn(3, 5).t(),
+        "bf16": torch.randn(4, 2).to(torch.bfloat16),
+        "plain_param": torch.nn.Parameter(torch.randn(2)),  # a subclass: DCP's own path
+    }
+
+
+def test_plain_tensor_items_are_dcps_field_for_field():
+    """Without a process group: a plain tensor's item (offsets a ``torch.Size`` of zeros,
+    its properties, with and without grad mode) equals DCP's own."""
+    state = _plain_tensors(0)
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with mode():
+            ours = local_write_items(state, {})
+            stock = create_default_local_save_plan(state, True).items
+            assert ours == stock, (ours, stock)
+            assert all(type(a.index.offset) is torch.Size and a.index.offset == b.index.offset for a, b in zip(ours, stock))
 
 
 def _compare_with_dcp(rank: int, world: int) -> int:
@@ -57,4 +82,4 @@ def _compare_with_dcp(rank: int, world: int) -> int:
 @pytest.mark.mp
 def test_local_write_items_are_dcps_with_each_dtensor_layout_worked_out_once():
     counts = run_job(_compare_with_dcp, 4)
-    assert counts == [9, 9, 8, 8]  # ranks 2 and 3 hold no shard of the submesh tensor
+    assert counts == [15, 15, 14, 14]  # ranks 2 and 3 hold no shard of the submesh tensor
