@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,14 +34,16 @@ def refine_items(items: list[WriteItem], cuts: Cuts) -> list[WriteItem]:
     return [piece for item in items for piece in _split(item, cuts.get(item.index.fqn))]
 
 
-def chunk_view(obj: Any, item: WriteItem, memo: ChunkMemo) -> torch.Tensor:
+def chunk_view(obj: Any, item: WriteItem, memo: ChunkMemo, lookup: Callable[[MetadataIndex], Any] | None = None) -> torch.Tensor:
     """The local data of a tensor write item, also when refinement made it a sub-chunk of
     one of ``obj``'s local chunks (DCP's own lookup matches whole chunks only); a
-    DTensor's chunks from the plan's ``memo``."""
+    DTensor's chunks from the plan's ``memo``. ``lookup`` finds a whole local chunk's data
+    by its index (a planner's ``lookup_object``; default: DCP's ``find_tensor_shard``)."""
     want = item.tensor_data.chunk
     for local in local_chunks(obj, memo):
         if _contains(local, want):
-            data = find_tensor_shard(obj, MetadataIndex(item.index.fqn, local.offsets))
+            index = MetadataIndex(item.index.fqn, local.offsets)
+            data = find_tensor_shard(obj, index) if lookup is None else lookup(index)
             if 0 in want.sizes:  # an empty chunk: DTensor may describe it as (1, 0) over a (0, 0) local tensor
                 return data.new_empty(tuple(want.sizes))
             for dim, (w, n, lo) in enumerate(zip(want.offsets, want.sizes, local.offsets)):

@@ -304,15 +304,20 @@ class ShardSavePlanner(PlacementSaveMixin, DefaultSavePlanner):
                   if item.index.fqn in cuts and item.type == WriteItemType.SHARD]
         return tuple(
             (item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes),
-             chunk_digest(chunk_view(self.state_dict[item.index.fqn], item, self._chunks)))
+             chunk_digest(chunk_view(self.state_dict[item.index.fqn], item, self._chunks, self.lookup_object)))
             for item in pieces
         )
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """DCP's ``lookup_object`` then ``transform_object``, a subclass's overrides
+        included (DCP's documented extension points: a subclass that casts or replaces
+        what it saves), for a DTensor shard too: its data is found by the whole local
+        chunk's index and narrowed to the planned piece where refinement split it."""
         if isinstance(write_item.index, ReplicaCopyIndex):  # a TP-replica copy: the same data as the canonical item
             write_item = dataclasses.replace(write_item, index=write_item.index.canonical)
         if write_item.type == WriteItemType.SHARD:  # possibly a refined sub-chunk
-            return chunk_view(self.state_dict[write_item.index.fqn], write_item, self._chunks)
+            data = chunk_view(self.state_dict[write_item.index.fqn], write_item, self._chunks, self.lookup_object)
+            return self.transform_object(write_item, data)
         return super().resolve_data(write_item)
 
 
