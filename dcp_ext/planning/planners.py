@@ -380,7 +380,7 @@ def _rows_of(plan: ShardLocalPlan, rank: int) -> np.ndarray:
     return plan.chunk_digests
 
 
-_PER_ITEM_HOOKS = ("resolve_tensor", "transform_tensor", "commit_tensor", "finish_plan")  # what columns skip
+_PER_ITEM_HOOKS = ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor", "finish_plan")  # what columns skip
 
 
 class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
@@ -468,13 +468,16 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         """DCP finds a DTensor's local shard by working out its chunk list again for every
         read item (~45 us), and a plain tensor through a chain of protocol checks (~13 us);
         here a DTensor's shard is its local tensor, a plain tensor read at offset 0 is
-        itself, and either is narrowed as DCP does. Anything else is DCP's (and its errors).
+        itself, and either is narrowed as DCP does. Anything else is DCP's (and its errors),
+        as is every item where ``lookup_tensor`` is a subclass's or an instance's own.
 
         The local tensor is what ``to_local()`` returns a view of through an autograd
         function (~3.5 us a call): the bytes land in the same storage either way. One that
         requires grad is detached before it is narrowed: ``DTensor.from_local`` over a tensor
         that requires grad holds a view made in no-grad mode, and narrowing that again once a
         read wrote into it in place raised autograd's "view was created in no_grad mode"."""
+        if getattr(self.lookup_tensor, "__func__", None) is not DefaultLoadPlanner.lookup_tensor:
+            return super().resolve_tensor(read_item)  # a subclass's or an instance's own lookup decides
         obj = self.state_dict.get(read_item.dest_index.fqn)
         local = landing_tensor(obj)
         if local is None or (type(obj) is torch.Tensor and any(read_item.dest_index.offset or ())):

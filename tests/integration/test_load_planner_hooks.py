@@ -14,6 +14,7 @@ import io
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 
@@ -78,6 +79,48 @@ def test_a_transform_tensor_set_on_the_instance_is_called_for_every_item(tmp_pat
     for key, want in saved.items():
         assert_tensor_equal(seen[key], want, key)
         assert_tensor_equal(got[key], before[key], key)  # the bytes went where the override said
+
+
+class Redirects:
+    """DCP's ``lookup_tensor`` extension point: every tensor loads into a buffer of the planner's own."""
+
+    def set_up_planner(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        super().set_up_planner(*args, **kwargs)
+        self.buffers = {key: torch.full_like(value, -2.0) for key, value in self.state_dict.items()}
+
+    def lookup_tensor(self, index):  # noqa: ANN001, ANN201
+        return self.buffers[index.fqn]
+
+
+class ShardRedirects(Redirects, ShardLoadPlanner):
+    pass
+
+
+class StockRedirects(Redirects, DefaultLoadPlanner):
+    pass
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_an_overridden_lookup_tensor_decides_where_every_tensor_lands(tmp_path, writer):
+    """As with DCP's planner and reader: the bytes land in what ``lookup_tensor`` returns,
+    and the state dict's tensors keep their values. ShardLoadPlanner found a destination
+    itself and skipped the override: the state dict was overwritten, the buffers left as
+    they were."""
+    saved = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    dcp.save(saved, storage_writer=ShardWriter(tmp_path) if writer == "ours" else dcp.FileSystemWriter(tmp_path), no_dist=True)
+    for planner, reader in ((ShardRedirects(), ShardReader(tmp_path)), (StockRedirects(), dcp.FileSystemReader(tmp_path))):
+        got = {k: garbage_like(v) for k, v in saved.items()}
+        before = {k: v.clone() for k, v in got.items()}
+        dcp.load(got, storage_reader=reader, planner=planner, no_dist=True)
+        for key, want in saved.items():
+            assert_tensor_equal(planner.buffers[key], want, f"{type(planner).__name__} {key}")
+            assert_tensor_equal(got[key], before[key], f"{type(planner).__name__} {key}")
+    planner = ShardLoadPlanner()  # set on the instance, after set_up_planner made the state dict
+    got = {k: garbage_like(v) for k, v in saved.items()}
+    buffers = {k: torch.full_like(v, -2.0) for k, v in saved.items()}
+    planner.lookup_tensor = lambda index: buffers[index.fqn]
+    dcp.load(got, storage_reader=ShardReader(tmp_path), planner=planner, no_dist=True)
+    assert all(torch.equal(buffers[k], v) for k, v in saved.items())
 
 
 class KeepsNewRows(ShardLoadPlanner):
