@@ -27,13 +27,11 @@ from torch.distributed.tensor import DTensor
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.formats.index import IndexedKeys
 from dcp_ext.planning.local_shards import ChunkMemo, local_chunks
-from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.storage.read_columns import TensorReads
 
 LocalShard = tuple[str, int, ChunkStorageMetadata]  # key, index in the tensor's chunk list, its box
 
 
-@gc_paused()  # thousands of read items, no garbage
 def local_reads(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, source: str) -> tuple[list[ReadItem], TensorReads]:
     """What DCP's default local load plan holds for ``state_dict`` (same checks, DCP's
     messages after ``source``, the checkpoint, as ``InvalidRequestError``: both the

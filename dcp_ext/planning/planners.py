@@ -416,7 +416,7 @@ class ShardLoadPlanner(PlacementLoadMixin, DefaultLoadPlanner):
         self._shared: set[int] | None = None  # per load: see _shared_tensors
         self._reads: TensorReads | None = None  # per load: the tensor pieces (index loads)
 
-    @gc_paused()  # read items of a pickled .metadata's keys too (an index load's columns pause it themselves)
+    @gc_paused()  # thousands of read items or columns' rows, no garbage (an index load's or a pickled .metadata's)
     def create_local_plan(self) -> LoadPlan:
         self._shared = None
         keys = None if self.metadata is None else self.metadata.state_dict_metadata
