@@ -52,6 +52,7 @@ from dcp_ext.storage.read_plan import (
     tensor_requests,
     whole_record_request,
 )
+from dcp_ext.storage.read_ahead import first_ranges, start_read_ahead
 from dcp_ext.storage.read_columns import Box, TensorReads
 from dcp_ext.storage.shared_metadata import open_shared_catalog
 
@@ -295,6 +296,8 @@ class ShardReader(StorageReader):
         try:
             items, direct = self._direct_pieces(catalog, plan)
             stored = self._stored(catalog, [item.storage_index for item in items])
+            if not self.two_stage:  # a cold load's first reads start while the requests are built
+                start_read_ahead(self.location, first_ranges(chain(stored, direct.records), self.thread_count))
             self._check_destinations_filled(catalog, items, direct, planned_by)
             self._check_files(chain(
                 ((item.storage_index.fqn, record) for item, record in zip(items, stored)),

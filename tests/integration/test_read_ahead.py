@@ -1,0 +1,131 @@
+"""A cold load asks the kernel for its first bytes while it builds its requests
+(``storage.read_ahead``): which ranges, that they reach the page cache, and that a load
+through it lands every value."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
+from dcp_ext.formats.index import StoredItem
+from dcp_ext.storage import reader as reader_module
+from dcp_ext.storage.location import PROBE_BYTES, Location, LocalRangeReader
+from dcp_ext.storage.read_ahead import first_ranges, start_read_ahead
+from support import evict, garbage_state
+
+MiB = 1 << 20
+
+
+def test_first_ranges_are_the_heads_of_the_first_files_in_read_order() -> None:
+    records = [
+        StoredItem("b.distcp", 10 * MiB, 4 * MiB),  # starts past b's share: not asked for
+        StoredItem("c.distcp", 0, MiB),  # third file in name order: past ``files``
+        StoredItem("b.distcp", 0, 3 * MiB),
+        StoredItem("a.distcp", 2 * MiB, 0),  # empty: nothing to read
+        StoredItem("a.distcp", 5 * MiB, 9 * MiB),  # clipped to a's share
+        StoredItem("a.distcp", 4 * MiB, MiB),
+        StoredItem("b.distcp", 3 * MiB, 4 * MiB),
+    ]
+    assert first_ranges(records, files=2, budget=16 * MiB) == [
+        ("a.distcp", [(4 * MiB, MiB), (5 * MiB, 7 * MiB)]),  # 8 MiB from a's first non-empty record
+        ("b.distcp", [(0, 3 * MiB), (3 * MiB, 4 * MiB)]),
+    ]
+    assert [name for name, _ in first_ranges(records, files=8, budget=3 * MiB)] == ["a.distcp", "b.distcp", "c.distcp"]
+    assert first_ranges([StoredItem("a.distcp", 0, 0)], files=4) == []
+    assert first_ranges([], files=4) == []
+
+
+def _cold_file(path: str) -> bool:
+    """Evict ``path``'s pages; False where this file system keeps them or cannot tell."""
+    reader = LocalRangeReader(path)
+    try:
+        for _ in range(3):  # writeback of a busy machine can keep pages a moment
+            evict(path)
+            if not reader.holds([0]):
+                evict(path)  # the probe may have started reading ahead
+                return True
+        return False
+    finally:
+        reader.close()
+
+
+def _wait_until(done, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, "the asked-for pages never reached the page cache"
+        time.sleep(0.01)
+
+
+def test_read_ahead_fills_the_page_cache_with_the_asked_ranges_only(tmp_path) -> None:
+    data = os.urandom(8 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    path = str(tmp_path / "f.bin")
+    if not _cold_file(path):
+        pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
+    location = Location(str(tmp_path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no device read-ahead past what is asked
+    finally:
+        os.close(fd)
+    thread = start_read_ahead(location, [("f.bin", [(MiB, MiB), (4 * MiB, PROBE_BYTES)])])
+    assert thread is not None and thread.name == "dcp_ext-prefetch"
+    thread.join(timeout=30)
+    reader = LocalRangeReader(path)
+    try:
+        asked = [MiB, 2 * MiB - PROBE_BYTES, 4 * MiB]
+        _wait_until(lambda: reader.holds(asked))  # the advice queues the reads; they land a moment later
+        assert not reader.holds([6 * MiB])
+        got = bytearray(MiB)
+        assert reader.read_into(MiB, [memoryview(got)]) == MiB and bytes(got) == data[MiB : 2 * MiB]
+    finally:
+        reader.close()
+    assert start_read_ahead(location, [("f.bin", [(MiB, MiB)])]) is None  # cached now: nothing to ask
+    assert start_read_ahead(location, [("missing.bin", [(0, MiB)])]) is None  # the load's read reports it
+
+
+def test_a_remote_store_is_not_read_ahead(tmp_path) -> None:
+    (tmp_path / "f.bin").write_bytes(b"x" * MiB)
+    assert start_read_ahead(Location(f"file://{tmp_path}"), [("f.bin", [(0, MiB)])]) is None  # fsspec: no page cache here
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_a_cold_load_reads_ahead_the_start_of_its_files_and_lands_every_value(tmp_path, monkeypatch, writer) -> None:
+    """Through dcp.load on real files: the ranges asked for are the heads of the records
+    the load reads, the thread fills them, and the load's values are bit-exact."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"layer{i}": torch.randn(512, 1024, generator=g) for i in range(8)}  # 2 MiB each
+    state["step"] = torch.tensor(7)
+    if writer == "ours":
+        dcp.save(state, storage_writer=ShardWriter(tmp_path, thread_count=2, sync_files=True),
+                 planner=ShardSavePlanner(), no_dist=True)
+    else:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2, sync_files=True), no_dist=True)
+    files = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".distcp"))
+    if not all(_cold_file(str(tmp_path / name)) for name in files):
+        pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
+    asked: list = []
+
+    def noted(location, heads):
+        thread = start_read_ahead(location, heads)
+        asked.append((heads, thread))
+        return thread
+
+    monkeypatch.setattr(reader_module, "start_read_ahead", noted)
+    dest = garbage_state(state)
+    dcp.load(dest, storage_reader=ShardReader(tmp_path, thread_count=2), planner=ShardLoadPlanner(), no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(dest[key], value), key
+    [(heads, thread)] = asked
+    assert thread is not None
+    thread.join(timeout=30)
+    assert [name for name, _ in heads] == files  # two files, two reader threads: both heads
+    for name, ranges in heads:
+        assert sum(length for _, length in ranges) <= 8 * MiB
+        size = os.path.getsize(tmp_path / name)
+        assert all(0 <= offset and offset + length <= size for offset, length in ranges)
