@@ -23,22 +23,28 @@ MiB = 1 << 20
 
 def test_first_ranges_are_the_heads_of_the_first_files_in_read_order() -> None:
     records = [
-        StoredItem("b.distcp", 10 * MiB, 4 * MiB, 10 * MiB),  # starts past b's share: not asked for
-        StoredItem("c.distcp", 0, MiB, 64),  # third file in name order: past ``files``
+        StoredItem("b.distcp", 10 * MiB, 4 * MiB, 10 * MiB),  # starts past b's head: not asked for
+        StoredItem("c.distcp", 0, MiB, 64),  # third file in name order: past ``threads``
         StoredItem("b.distcp", 0, 3 * MiB, 64),
         StoredItem("a.distcp", 2 * MiB, 0, 2 * MiB),  # empty: nothing to read
         StoredItem("a.distcp", MiB, MiB),  # a stock record (payload unknown): its ends are parsed first
-        StoredItem("a.distcp", 5 * MiB, 9 * MiB, 5 * MiB + 64),  # clipped to a's share
+        StoredItem("a.distcp", 5 * MiB, 9 * MiB, 5 * MiB + 64),  # clipped to a's head
         StoredItem("a.distcp", 4 * MiB, MiB, 4 * MiB),
         StoredItem("b.distcp", 3 * MiB, 4 * MiB, 3 * MiB + 64),
     ]
-    assert first_ranges(records, files=2, budget=16 * MiB) == [
-        ("a.distcp", [(4 * MiB, MiB), (5 * MiB, 7 * MiB)]),  # 8 MiB from a's first non-empty record
+    big = StoredItem("z.distcp", 0, 1 << 30, 64)  # a long load: each thread's share is 16x a head and more
+    assert first_ranges([*records, big], threads=2, budget=16 * MiB) == [
+        ("a.distcp", [(4 * MiB, MiB), (5 * MiB, 7 * MiB)]),  # 8 MiB from a's first record read straight
         ("b.distcp", [(0, 3 * MiB), (3 * MiB, 4 * MiB)]),
     ]
-    assert [name for name, _ in first_ranges(records, files=8, budget=3 * MiB)] == ["a.distcp", "b.distcp", "c.distcp"]
-    assert first_ranges([StoredItem("a.distcp", 0, 0, 0), StoredItem("b.distcp", 0, MiB)], files=4) == []
-    assert first_ranges([], files=4) == []
+    # a short load: 23 MiB over 2 threads, a head of 1/16 of a thread's share (736 KiB)
+    assert first_ranges(records, threads=2, budget=16 * MiB) == [
+        ("a.distcp", [(4 * MiB, 23 * MiB // 2 // 16)]), ("b.distcp", [(0, 23 * MiB // 2 // 16)])]
+    assert [name for name, _ in first_ranges([*records, big], threads=8, budget=3 * MiB)] == [
+        "a.distcp", "b.distcp", "c.distcp", "z.distcp"]
+    assert first_ranges([StoredItem("a.distcp", 0, 0, 0), StoredItem("b.distcp", 0, MiB)], threads=4) == []
+    assert first_ranges([StoredItem("a.distcp", 0, 63, 0)], threads=4) == []  # too short to read ahead
+    assert first_ranges([], threads=4) == []
 
 
 def _cold_file(path: str) -> bool:
@@ -129,7 +135,8 @@ def test_a_cold_load_reads_ahead_the_start_of_its_files_and_lands_every_value(tm
     assert thread is not None
     thread.join(timeout=30)
     assert [name for name, _ in heads] == files  # two files, two reader threads: both heads
+    load_bytes = sum(os.path.getsize(tmp_path / name) for name in files)
     for name, ranges in heads:
-        assert sum(length for _, length in ranges) <= 8 * MiB
+        assert 0 < sum(length for _, length in ranges) <= load_bytes // 2 // 16  # 1/16 of a thread's share
         size = os.path.getsize(tmp_path / name)
         assert all(0 <= offset and offset + length <= size for offset, length in ranges)
