@@ -57,7 +57,9 @@ def start_read_ahead(location: Location, heads: FileRanges) -> threading.Thread 
     """Ask for the ranges of ``heads`` whose file's first page is not cached, on a helper
     thread (the kernel's advice blocks ~1 ms per 8 MiB while it queues the reads); local
     files only: a remote store has no page cache to fill."""
-    cold = [(name, ranges) for name, ranges in heads if location.is_local and not _cached(location, name, ranges[0][0])]
+    if not location.is_local:
+        return None
+    cold = [(name, ranges) for name, ranges in heads if not _cached(location, name, ranges[0][0])]
     if not cold:
         return None
     thread = threading.Thread(target=_read_ahead, args=(location, cold), name="dcp_ext-willneed", daemon=True)
