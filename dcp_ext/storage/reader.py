@@ -298,7 +298,9 @@ class ShardReader(StorageReader):
         try:
             items, direct = self._direct_pieces(catalog, plan)
             stored = self._stored(catalog, [item.storage_index for item in items])
-            if not self.two_stage:  # a cold load's first reads start while the requests are built
+            # a cold local load's first reads start while the requests are built (a remote store has
+            # no page cache: its heads are not worked out; a two-stage load's reads are other ranks')
+            if self.location.is_local and not self.two_stage:
                 ahead = start_read_ahead(self.location, first_ranges(chain(stored, direct.records), self.thread_count))
             self._check_destinations_filled(catalog, items, direct, planned_by)
             self._check_files(chain(
