@@ -35,6 +35,7 @@ from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreference
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.piece_digests import check_piece_digests, split_piece_digests, with_piece_digests
+from dcp_ext.storage.write_results import WrittenItems
 from dcp_ext.storage.save_tracking import (
     DIRECTORY_SAVES,
     OPEN_SAVES,
@@ -247,7 +248,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         if not self.is_coordinator:  # its part ends here; the coordinator's after the commit
             self._publish(metadata_bytes=0)
         done: Future[list[WriteResult]] = Future()
-        done.set_result(with_piece_digests(self.written, self.rank, getattr(planner, "piece_digests", ())))
+        # the results go to the coordinator in DCP's gather: as columns (write_results)
+        done.set_result(WrittenItems(with_piece_digests(self.written, self.rank, getattr(planner, "piece_digests", ()))))
         return done
 
     def _refuse_quantized(self, plan: SavePlan) -> None:
