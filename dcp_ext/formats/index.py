@@ -147,8 +147,6 @@ def encode_index(
     header = {
         "format": INDEX_FORMAT,
         "version": metadata.version,
-        "order": rows.names,
-        "tensors": rows.tensors,
         "planner_data": _planner_data_to_json(metadata.planner_data),
         "storage_meta": None
         if storage_meta is None
@@ -167,7 +165,8 @@ def encode_index(
     # schema: 60% of a 1,180-key index's bytes, and of the time to write and to read it
     with pq.ParquetWriter(sink, _SCHEMA, compression="zstd", store_schema=False) as writer:
         writer.write_table(table, row_group_size=max(table.num_rows, 1))  # one group: no concat on read
-        writer.add_key_value_metadata({_META_KEY: json.dumps(header).encode()})
+        # the keys' part as made with their layout ("order", "tensors": half the header's JSON)
+        writer.add_key_value_metadata({_META_KEY: ("{" + rows.keys_json + ", " + json.dumps(header)[1:]).encode()})
     return sink.getvalue()
 
 
@@ -184,6 +183,7 @@ class _KeyLayout:
     offsets: np.ndarray  # boxes back to back
     sizes: np.ndarray
     spans: dict[str, tuple[int, list[Any]]]  # fqn -> (first row, each row's chunk offsets; [None]: bytes)
+    keys_json: str  # the index header's "order" and "tensors" members, as JSON
 
     @classmethod
     def of(cls, state_dict_metadata: Mapping[str, Any]) -> _KeyLayout:
@@ -217,7 +217,8 @@ class _KeyLayout:
             ndims.append(nd)
         key = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
         ndim = np.repeat(np.array(ndims, np.int64), counts)
-        return cls(names, tensors, key, ndim, np.array(flat_off, np.int64), np.array(flat_size, np.int64), spans)
+        keys_json = json.dumps({"order": names, "tensors": tensors})[1:-1]
+        return cls(names, tensors, key, ndim, np.array(flat_off, np.int64), np.array(flat_size, np.int64), spans, keys_json)
 
 
 @dataclass
@@ -227,6 +228,7 @@ class _Rows:
 
     names: list[str]
     tensors: dict[str, list[Any]]
+    keys_json: str  # the header's "order" and "tensors" (``_KeyLayout``)
     key: np.ndarray
     ndim: np.ndarray
     offsets: np.ndarray
@@ -257,7 +259,7 @@ class _Rows:
             sizes = np.concatenate([sizes, ragged_take(sizes, starts, lengths)])
             key, ndim = np.concatenate([key, key[rows]]), np.concatenate([ndim, ndim[rows]])
             copy = np.concatenate([copy, np.ones(len(rows), bool)])
-        return cls(layout.names, layout.tensors, key, ndim, offsets, sizes, stored, copy)
+        return cls(layout.names, layout.tensors, layout.keys_json, key, ndim, offsets, sizes, stored, copy)
 
     def arrays(self) -> list[pa.Array]:
         bytes_row = self.ndim < 0

@@ -8,6 +8,8 @@ save a load returns exactly the values just saved.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.planning.plan_cache import clear_plan_cache
-from dcp_ext.planning.plan_table import table_from_items
+from dcp_ext.planning.plan_table import items_from_table, table_from_items
 
 from mp import run_job
 from support import assert_state_dict_equal, garbage_like, shard_item
@@ -86,6 +88,20 @@ def test_table_digest_covers_layout_not_values():
     digests = {table_from_items(v).digest for v in variants} | {table_from_items(a).digest}
     assert len(digests) == len(variants) + 1
     assert table_from_items(SavePlan(a).items, {"w": ("model", "w")}).digest != table_from_items(a).digest
+
+
+
+def test_a_table_travels_with_its_facts_as_plain_values():
+    """DCP gathers every rank's table each save: its tensor facts pickle as values, and
+    become DCP's objects on the coordinator only when read (a reused plan reads none)."""
+    items = [shard_item("w", (0, 0), (4, 3), (8, 3)), shard_item("b", (0,), (2,), (2,), torch.bfloat16)]
+    table = table_from_items(items)
+    data = pickle.dumps(table)
+    assert b"TensorProperties" not in data
+    back = pickle.loads(data)
+    assert back.facts._facts is None
+    assert back.digest == table.digest and list(back.facts) == list(table.facts)
+    assert items_from_table(back) == items_from_table(table)
 
 
 class _DcpCachingPlanner(DefaultSavePlanner):
