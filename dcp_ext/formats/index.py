@@ -162,8 +162,10 @@ def encode_index(
     sink = io.BytesIO()
     # the header once, in the file's key-value metadata (Arrow reads it as the schema's): with
     # the Arrow schema stored too, it was there a second time, base64-encoded inside that
-    # schema: 60% of a 1,180-key index's bytes, and of the time to write and to read it
-    with pq.ParquetWriter(sink, _SCHEMA, compression="zstd", store_schema=False) as writer:
+    # schema: 60% of a 1,180-key index's bytes, and of the time to write and to read it.
+    # Snappy, Parquet's default: zstd's columns were 3% smaller (179 against 184 KB at 1,180
+    # keys, the header is 165 KB of it) and took 0.72 ms to write and 0.41 to read, against 0.41 / 0.23
+    with pq.ParquetWriter(sink, _SCHEMA, compression="snappy", store_schema=False) as writer:
         writer.write_table(table, row_group_size=max(table.num_rows, 1))  # one group: no concat on read
         # the keys' part as made with their layout ("order", "tensors": half the header's JSON)
         writer.add_key_value_metadata({_META_KEY: ("{" + rows.keys_json + ", " + json.dumps(header)[1:]).encode()})
