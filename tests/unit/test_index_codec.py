@@ -312,6 +312,24 @@ def test_stacked_boxes_refuse_keys_of_several_ndims():
     assert len(rows) == 2
 
 
+def test_an_index_written_with_its_arrow_schema_decodes_alike():
+    """Indexes written before stop 51 stored the Arrow schema (holding the header a second
+    time) and zstd columns; they decode to the same objects as one written now."""
+    metadata, items, copies = checkpoint()
+    data = encode_index(metadata, items, b"m", 1, copies)
+    file = pq.ParquetFile(io.BytesIO(data), read_dictionary=index_module._DICTIONARY_COLUMNS)
+    table = file.read().cast(index_module._SCHEMA.with_metadata(file.metadata.metadata))
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")  # as encode_index wrote it until then
+    older = sink.getvalue()
+    assert b"ARROW:schema" in pq.ParquetFile(io.BytesIO(older)).metadata.metadata
+    new, old = decode_index(data, "ckpt/.index"), decode_index(older, "ckpt/.index")
+    assert dict(old.items) == dict(new.items) == items
+    assert {k: v for k, v in old.copies.items()} == {k: v for k, v in new.copies.items()}
+    assert dict(old.metadata.state_dict_metadata) == dict(new.metadata.state_dict_metadata)
+    assert (old.metadata.planner_data, old.metadata_crc32c, old.metadata_size) == (new.metadata.planner_data, 1, 1)
+
+
 def test_the_written_columns_are_what_pyarrow_reads_row_by_row():
     """The columns are built from buffers (``formats.arrow_columns``), not by pyarrow's
     conversions: a valid table of the index schema, nulls where a row has no box, dtype,
