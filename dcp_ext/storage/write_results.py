@@ -3,10 +3,10 @@
 DCP gathers what ``write_data`` returns on the coordinator, pickled, before ``finish``
 can begin: every rank's ``WriteResult``s, three dataclasses and a ``torch.Size`` an item,
 pickled through their Python reduce methods. At 590 items a rank that was 1.3 ms to
-pickle on each rank and 0.85 ms a rank to unpickle on the coordinator, all of it between
+pickle on each rank and 0.85-0.95 ms a rank to unpickle on the coordinator, all of it between
 the last write and the commit, where every rank waits. ``WrittenItems`` is the same list
 in the process that made it; its pickle holds the fields as a few lists of plain values
-(0.24 ms to make and pickle at 590 items, 0.7 ms to load and rebuild).
+(0.28 ms to make and pickle at 590 items, 0.75 ms to load and rebuild).
 """
 
 from __future__ import annotations
