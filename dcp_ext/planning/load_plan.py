@@ -42,23 +42,42 @@ def local_reads(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, sou
     shards: list[LocalShard] = []
     landings: list[torch.Tensor | None] = []
     memo: ChunkMemo = {}
+    held: ChunkMemo = {}
+    facts_of = keys.facts
     for fqn, obj in state_dict.items():
-        if fqn not in keys:
+        try:
+            facts = facts_of(fqn)
+        except KeyError:
             if strict:  # DCP's message; an InvalidRequestError is also the RuntimeError DCP raises
-                raise InvalidRequestError(f"{source}: Missing key in checkpoint state_dict: {fqn}.")
+                raise InvalidRequestError(f"{source}: Missing key in checkpoint state_dict: {fqn}.") from None
             continue
-        facts = keys.facts(fqn)
         if facts is None or not isinstance(obj, torch.Tensor):
             items += _create_read_items(fqn, keys[fqn], obj)
             continue
         if facts[1] != obj.size():
             raise InvalidRequestError(f"{source}: Size mismatch between saved {facts[1]} and current: {obj.size()} for {fqn}")
-        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+        if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor:
+            chunks = _held_chunks(obj, facts[1], held)
+        elif isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue  # this rank is outside the tensor's submesh
-        chunks = local_chunks(obj, memo)
+        else:
+            chunks = local_chunks(obj, memo)
         shards += [(fqn, i, chunk) for i, chunk in enumerate(chunks)]
         landings += [landing_tensor(obj) if len(chunks) == 1 else None] * len(chunks)
     return items, tensor_reads(keys, shards, landings)
+
+
+def _held_chunks(obj: DTensor, size: torch.Size, held: ChunkMemo) -> list[ChunkStorageMetadata]:
+    """A plain DTensor's local chunks (none where this rank is outside its submesh), worked
+    out once per layout: its global ``size`` (checked against the saved one), mesh and
+    placements, read from its spec (DTensor's own properties are Python calls: 590 keys,
+    0.3 of a 2.0 ms local plan)."""
+    spec = obj._spec
+    layout = (size, id(spec.mesh), spec.placements)  # the meshes live as long as the plan
+    chunks = held.get(layout)
+    if chunks is None:
+        chunks = held[layout] = [] if spec.mesh.get_coordinate() is None else local_chunks(obj, {})
+    return chunks
 
 
 def metadata_read_items(state_dict: dict[str, Any], metadata: Metadata, strict: bool) -> list[ReadItem]:

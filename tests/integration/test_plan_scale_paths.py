@@ -250,8 +250,13 @@ def subset_load_job(rank: int, world_size: int, path: str) -> dict:
         "m": distribute_tensor(_full("m"), mesh, [Shard(1)], src_data_rank=None),  # resharded: 2 x 2 -> 3 columns
         "e": distribute_tensor(_full("e"), mesh, [Shard(0)], src_data_rank=None),
         "norm": _full("norm"),
+        # on ranks 0 and 1 only: rank 2 plans no read for it (nor for any key of its layout)
+        "w": distribute_tensor(_full("w"), DeviceMesh("cpu", [0, 1]), [Shard(0)], src_data_rank=None),
     }
-    got = {k: distribute_tensor(garbage_like(_full(k)), mesh, v.placements, src_data_rank=None) if isinstance(v, DTensor) else garbage_like(v) for k, v in expected.items()}
+    got = {
+        k: distribute_tensor(garbage_like(_full(k)), v.device_mesh, v.placements, src_data_rank=None) if isinstance(v, DTensor) else garbage_like(v)
+        for k, v in expected.items()
+    }
     dcp.load(got, storage_reader=ShardReader(path, cache_metadata=False), planner=ShardLoadPlanner())
     assert_state_dict_equal(_local(got), _local(expected))
     # the per-key decode plans exactly what DCP plans from the pickled .metadata
