@@ -6,7 +6,6 @@ import dataclasses
 import io
 import math
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -53,7 +52,6 @@ from dcp_ext.storage.read_plan import (
     tensor_requests,
     whole_record_request,
 )
-from dcp_ext.storage.read_ahead import first_ranges, start_read_ahead
 from dcp_ext.storage.read_columns import Box, TensorReads
 from dcp_ext.storage.shared_metadata import open_shared_catalog
 
@@ -294,14 +292,9 @@ class ShardReader(StorageReader):
         executor = EXECUTORS["two_stage" if self.two_stage else "local"](settings)
         identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint)
         commits: list[Callable[[], None]] = []
-        ahead: threading.Thread | None = None
         try:
             items, direct = self._direct_pieces(catalog, plan)
             stored = self._stored(catalog, [item.storage_index for item in items])
-            # a cold local load's first reads start while the requests are built (a remote store has
-            # no page cache: its heads are not worked out; a two-stage load's reads are other ranks')
-            if self.location.is_local and not self.two_stage:
-                ahead = start_read_ahead(self.location, first_ranges(chain(stored, direct.records), self.thread_count))
             self._check_destinations_filled(catalog, items, direct, planned_by)
             self._check_files(chain(
                 ((item.storage_index.fqn, record) for item, record in zip(items, stored)),
@@ -321,8 +314,6 @@ class ShardReader(StorageReader):
             expected_bytes=sum(record.length for record in records),
             expected_files=len({record.relative_path for record in records}),
         )
-        if ahead is not None:  # long done (its advice returns once the reads are queued): no thread outlives the load
-            ahead.join()
         self.clock.add("exchange", executor.seconds)
         self.stats.bytes_received += executor.bytes_received
         for commit_item in commits:
