@@ -7,7 +7,7 @@ renamed into place, ``.metadata`` before the marker: that rename is the single a
 step that switches readers from the old checkpoint to the new one. Object stores have
 no atomic rename, so there the three are written directly, the marker last: there the
 marker is the commit point (see ``dcp_ext.formats.marker``). Only after the commit are
-data files no longer referenced removed.
+data files no longer referenced removed (``cleanup``: their space is given back on a thread).
 
 The new index lands before ``.metadata``, so the live index is first moved to a second
 slot (``PREVIOUS_INDEX_NAME``): until the commit point the old ``.metadata`` keeps an
@@ -192,13 +192,11 @@ def live_checkpoint(location: Location) -> tuple[set[str], str | None] | None:
     return catalog.files(), catalog.index_name
 
 
-def remove_unreferenced(location: Location, referenced: set[str]) -> list[str]:
-    """Delete data and temp files that the committed metadata does not reference, and the
-    index set aside for the ``.metadata`` the commit replaced."""
-    removed = []
-    for name in location.listdir():
-        if (is_data_file(name) and name not in referenced) or TEMP_FILE.match(name) or name == PREVIOUS_INDEX_NAME:
-            location.remove(name)
-            removed.append(name)
-            crash_point("mid-cleanup")
-    return removed
+def unreferenced(location: Location, referenced: set[str]) -> list[str]:
+    """The data and temp files the committed metadata does not reference, and the index
+    set aside for the ``.metadata`` the commit replaced: what a commit retires, listed
+    once, right after it (``cleanup.retire`` takes them out)."""
+    return [
+        name for name in location.listdir()
+        if (is_data_file(name) and name not in referenced) or TEMP_FILE.match(name) or name == PREVIOUS_INDEX_NAME
+    ]

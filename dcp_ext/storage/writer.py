@@ -31,7 +31,8 @@ from dcp_ext.observe import SAVE_PHASES, PhaseClock, ReportCallback, SaveReport,
 from dcp_ext.storage.catalog import METADATA_NAME
 from dcp_ext.storage.catalog_formats import held_format
 from dcp_ext.runtime.crash import crash_point
-from dcp_ext.storage.commit import commit, remove_dead_files, remove_unreferenced
+from dcp_ext.storage.cleanup import retire, wait_for_cleanup
+from dcp_ext.storage.commit import commit, remove_dead_files, unreferenced
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.piece_digests import check_piece_digests, split_piece_digests, with_piece_digests
@@ -217,6 +218,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         check_same_save(plans)
+        wait_for_cleanup(self.location)  # the space of the last save's retired files (cleanup)
         remove_dead_files(self.location)  # no rank writes before the plans go out
         return [
             dataclasses.replace(p, storage_data=FilePrefix(rank, self._token, self._created_dir))
@@ -276,7 +278,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             with self.clock.phase("commit"):
                 commit(self.location, self.save_id, metadata_bytes, index_bytes, referenced, self.sync_files,
                        at_commit_point=lambda: OPEN_SAVES.committed(token))
-                remove_unreferenced(self.location, referenced)
+                retire(self.location, unreferenced(self.location, referenced))  # their space comes back on a thread
         self._publish(metadata_bytes=len(metadata_bytes) + len(index_bytes))
 
     # -- AsyncStager protocol ---------------------------------------------------------------
@@ -294,7 +296,8 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
 
     def close(self) -> None:
         """Wait for the save in flight, free the staging memory and remove the files of saves
-        that failed since the last save began (DCP has no failure hook; see ``save_tracking``).
+        that failed since the last save began (DCP has no failure hook; see ``save_tracking``);
+        return once the space of the files the last commit retired is given back (``cleanup``).
 
         Raises an unreported background failure, as the next save would.
         """
@@ -303,6 +306,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         finally:
             self.slot.wait_idle()
             OPEN_SAVES.discard_failed()
+            wait_for_cleanup(self.location)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
