@@ -131,6 +131,7 @@ class Config:
     repeat: int
     procs: int
     layout: str = "nested"  # see STATE_LAYOUTS
+    same_dir: bool = False  # saves go into one directory per kind again and again (--same-dir)
 
     @property
     def total_bytes(self) -> int:
@@ -544,8 +545,9 @@ def cpu_seconds() -> float:
 
 def save_sample(cfg: Config, group: Group, kind: str, threads: int, path: Path, state: dict[str, torch.Tensor]) -> tuple[float, float]:
     """(wall seconds, CPU seconds summed over ranks) of one save of ``kind`` into a fresh
-    directory, starting with no dirty pages: a dcp.save through a writer or a raw write."""
-    if group.rank == 0 and path.exists():
+    directory (``cfg.same_dir``: into the one it saved into last, over that save's files),
+    starting with no dirty pages: a dcp.save through a writer or a raw write."""
+    if group.rank == 0 and path.exists() and not cfg.same_dir:
         shutil.rmtree(path)
     drop_caches(group)  # outside the CPU count: dropping the cache is charged to this process
     if kind in SAVE_CEILINGS:
@@ -570,6 +572,8 @@ def measure_saves(cfg: Config, group: Group, state: dict[str, torch.Tensor]) -> 
     kinds = (*SAVE_CEILINGS, *WRITERS)
     for threads in cfg.threads:
         samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+        for kind in kinds if cfg.same_dir else ():  # each measured save then replaces one
+            save_sample(cfg, group, kind, threads, cfg.ckpt(f"ckpt_{kind}"), state)
         for rep in range(cfg.repeat):
             for kind in kinds[:: -1 if rep % 2 else 1]:
                 samples[kind].append(save_sample(cfg, group, kind, threads, cfg.ckpt(f"ckpt_{kind}"), state))
@@ -1005,6 +1009,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=output_file, default=None, help=f"result file (default {DEFAULT_JSON}; {SAVE_JSON} with --save-only)")
     p.add_argument("--save-only", action="store_true", help="run only the save section (ceilings, stock, ours)")
     p.add_argument("--keep", action="store_true", help="keep the work dir with its checkpoints")
+    p.add_argument("--same-dir", action="store_true",
+                   help="save into one directory per kind again and again, as a job saving into one directory does "
+                        "(raw and stock rewrite their files, ours retires the last save's); default: a fresh one each time")
     p.add_argument("--state-layout", choices=STATE_LAYOUTS, default="nested",
                    help="nested (default): dcp.save/load get {'model': {name: tensor}}, as a training job passes them; "
                         "flat: every tensor a top-level key (DCP's per-key Stateful checks and logs in every figure)")
@@ -1020,12 +1027,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="dcp_ext_io_", dir=args.dir))
-    cfg = Config(build_specs(args.size_gib), workdir, tuple(args.threads), args.repeat, args.procs, args.state_layout)
+    cfg = Config(build_specs(args.size_gib), workdir, tuple(args.threads), args.repeat, args.procs, args.state_layout,
+                 args.same_dir)
     started = time.perf_counter()
     try:
         res: dict[str, Any] = {
             "procs": args.procs,
             "state_layout": args.state_layout,
+            "same_dir": args.same_dir,
             "repeat": args.repeat,
             "size_gib": args.size_gib,
             "total_bytes": cfg.total_bytes,
@@ -1048,6 +1057,7 @@ def main(argv: list[str] | None = None) -> None:
     res["env"]["loadavg_at_end"] = os.getloadavg()
     res["targets"] = report(res)
     print(f"\nstate dict layout: {res['state_layout']} (--state-layout)")
+    print(f"saves: {'into one directory per kind again and again' if res['same_dir'] else 'each into a fresh directory'} (--same-dir)")
     print(f"load average at start/end: {res['env']['loadavg_at_start'][0]:.1f}/{res['env']['loadavg_at_end'][0]:.1f}"
           f" on {os.cpu_count()} CPUs (other work on the host skews every figure)")
     print(f"wall time {res['wall_s']:.1f} s; work dir {workdir}{' (kept)' if args.keep else ' (removed)'}")
