@@ -53,24 +53,28 @@ def retire(location: Location, names: list[str]) -> None:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
                 continue
-            held.append(fd)
-            os.unlink(path)
+            except PermissionError:  # unlinking needs no read access to the file: removed in turn
+                location.remove(name)
+            else:
+                held.append(fd)
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile (another save's clean-up)
+                    os.unlink(path)
             crash_point("mid-cleanup")
     finally:
         _close_later(location, held)
 
 
-def wait_for_cleanup(location: Location | None = None) -> None:
-    """Return once the retired files of ``location`` (None: of every directory) are closed."""
+def wait_for_cleanup(location: Location) -> None:
+    """Return once the files ``location``'s last commit retired are closed."""
+    key = location.cache_key()
     with _LOCK:
-        threads = list(_PENDING.values()) if location is None else [_PENDING.get(location.cache_key())]
-    for thread in threads:
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        thread = _PENDING.get(key)
+    if thread is None:
+        return
+    thread.join()
     with _LOCK:
-        for key, thread in list(_PENDING.items()):
-            if not thread.is_alive():
-                del _PENDING[key]
+        if _PENDING.get(key) is thread:
+            del _PENDING[key]
 
 
 def _close_later(location: Location, fds: list[int]) -> None:

@@ -102,3 +102,26 @@ def test_the_file_system_of_a_path_is_its_longest_mount_point():
     assert cleanup.mount_type(MOUNTINFO, "/mnt/bucket/ckpt") == "fuse.gcsfuse"
     assert cleanup.mount_type("", "/tmp") is None
     assert {"nfs4", "fuse.gcsfuse"}.isdisjoint(cleanup.DEFERS_FREEING)
+
+
+def test_a_retired_file_this_process_may_not_open_is_removed_in_turn(tmp_path, monkeypatch):
+    """Unlinking needs write access to the directory only: a file the process cannot open
+    (another user's, mode 600) is still retired, removed at once."""
+    path = tmp_path / "ckpt"
+    _save(sample_state(1), path).close()
+    old = sorted(_data_files(path))
+    refused = os.path.join(os.path.realpath(path), old[0])
+    open_file = os.open
+
+    def refusing_open(file, flags, *args, **kwargs):
+        if os.path.realpath(file) == refused:
+            raise PermissionError(13, "Permission denied", file)
+        return open_file(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(cleanup.os, "open", refusing_open)
+    second = sample_state(2)
+    _save(second, path)
+    monkeypatch.setattr(cleanup.os, "open", open_file)
+    assert not _data_files(path) & set(old)
+    assert {name for name in _held_unlinked(path) if is_data_file(name)} <= set(old[1:])
+    assert_state_dict_equal(load(second, path, cache_metadata=False)[0], second)
