@@ -31,7 +31,8 @@ from dcp_ext.storage.location import Location
 DEFERS_FREEING = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs"})
 
 _PENDING: dict[str, threading.Thread] = {}  # location.cache_key() -> the thread closing its retired files
-_LOCK = threading.Lock()
+_HELD: set[int] = set()  # descriptors of retired files not closed yet
+_LOCK = threading.Lock()  # held across a fork: a child sees _HELD as it is
 
 
 def retire(location: Location, names: list[str]) -> None:
@@ -50,7 +51,9 @@ def retire(location: Location, names: list[str]) -> None:
         for name in names:
             path = location.path(name)
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                with _LOCK:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    _HELD.add(fd)
             except FileNotFoundError:
                 continue
             except PermissionError:  # unlinking needs no read access to the file: removed in turn
@@ -89,8 +92,27 @@ def _close_later(location: Location, fds: list[int]) -> None:
 
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
+        with _LOCK:
+            if fd in _HELD:
+                _HELD.discard(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _close_in_child() -> None:
+    """A forked child inherits the descriptors (``O_CLOEXEC`` covers ``exec`` only), and the
+    blocks would stay taken until it exits: a DataLoader worker forked right after a save
+    would hold the replaced checkpoint's space for an epoch. The child closes them at once."""
+    for fd in _HELD:
         with contextlib.suppress(OSError):
             os.close(fd)
+    _HELD.clear()
+    _PENDING.clear()  # their threads are the parent's
+    _LOCK.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_LOCK.acquire, after_in_parent=_LOCK.release, after_in_child=_close_in_child)
 
 
 def file_system_type(path: str) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch.distributed.checkpoint as dcp
 
 from dcp_ext import ShardSavePlanner, ShardWriter
@@ -42,8 +43,6 @@ def _save(state: dict, path) -> ShardWriter:
 def test_retired_files_leave_at_once_and_their_space_comes_back_on_a_thread(tmp_path, monkeypatch):
     path = tmp_path / "ckpt"
     if cleanup.file_system_type(str(tmp_path)) not in cleanup.DEFERS_FREEING:
-        import pytest
-
         pytest.skip(f"{cleanup.file_system_type(str(tmp_path))}: retired files are removed in turn there")
     _save(sample_state(1), path).close()
     old = _data_files(path)
@@ -125,3 +124,31 @@ def test_a_retired_file_this_process_may_not_open_is_removed_in_turn(tmp_path, m
     assert not _data_files(path) & set(old)
     assert {name for name in _held_unlinked(path) if is_data_file(name)} <= set(old[1:])
     assert_state_dict_equal(load(second, path, cache_metadata=False)[0], second)
+
+
+def test_a_process_forked_before_the_space_came_back_does_not_keep_it(tmp_path, monkeypatch):
+    """A child forked while the retired files are still open (a DataLoader worker started
+    right after a save) closes its copies at once: it would otherwise keep their blocks
+    until it exits."""
+    path = tmp_path / "ckpt"
+    if cleanup.file_system_type(str(tmp_path)) not in cleanup.DEFERS_FREEING:
+        pytest.skip(f"{cleanup.file_system_type(str(tmp_path))}: retired files are removed in turn there")
+    _save(sample_state(1), path).close()
+    old = _data_files(path)
+    release = threading.Event()
+    close_all = cleanup._close_all
+    monkeypatch.setattr(cleanup, "_close_all", lambda fds: (release.wait(timeout=60), close_all(fds)))
+    writer = _save(sample_state(2), path)
+    assert {name for name in _held_unlinked(path) if is_data_file(name)} == old
+    pid = os.fork()
+    if pid == 0:  # the child: nothing retired held; it never returns into pytest
+        code = 1
+        try:
+            code = 0 if not _held_unlinked(path) and not cleanup._HELD else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    writer.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _held_unlinked(path) == set()
