@@ -40,20 +40,27 @@ def _save(state: dict, path) -> ShardWriter:
     return writer
 
 
-def test_retired_files_leave_at_once_and_their_space_comes_back_on_a_thread(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt"
-    if cleanup.file_system_type(str(tmp_path)) not in cleanup.DEFERS_FREEING:
-        pytest.skip(f"{cleanup.file_system_type(str(tmp_path))}: retired files are removed in turn there")
+def _first_save_and_held_closes(path, monkeypatch) -> tuple[set[str], threading.Event]:
+    """A first save into ``path`` (its data files returned), and the retired files' closing
+    held until the event returned is set (then the real one runs); skipped where the file
+    system takes retired files out in turn."""
+    if cleanup.file_system_type(str(path.parent)) not in cleanup.DEFERS_FREEING:
+        pytest.skip(f"{cleanup.file_system_type(str(path.parent))}: retired files are removed in turn there")
     _save(sample_state(1), path).close()
-    old = _data_files(path)
     release = threading.Event()
     close_all = cleanup._close_all
 
-    def held_close_all(fds):  # the real closing, once the test lets it go on
+    def held_close_all(fds):
         assert release.wait(timeout=60)
         close_all(fds)
 
     monkeypatch.setattr(cleanup, "_close_all", held_close_all)
+    return _data_files(path), release
+
+
+def test_retired_files_leave_at_once_and_their_space_comes_back_on_a_thread(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    old, release = _first_save_and_held_closes(path, monkeypatch)
     second = sample_state(2)
     writer = _save(second, path)
     new = _data_files(path)
@@ -131,13 +138,7 @@ def test_a_process_forked_before_the_space_came_back_does_not_keep_it(tmp_path, 
     right after a save) closes its copies at once: it would otherwise keep their blocks
     until it exits."""
     path = tmp_path / "ckpt"
-    if cleanup.file_system_type(str(tmp_path)) not in cleanup.DEFERS_FREEING:
-        pytest.skip(f"{cleanup.file_system_type(str(tmp_path))}: retired files are removed in turn there")
-    _save(sample_state(1), path).close()
-    old = _data_files(path)
-    release = threading.Event()
-    close_all = cleanup._close_all
-    monkeypatch.setattr(cleanup, "_close_all", lambda fds: (release.wait(timeout=60), close_all(fds)))
+    old, release = _first_save_and_held_closes(path, monkeypatch)
     writer = _save(sample_state(2), path)
     assert {name for name in _held_unlinked(path) if is_data_file(name)} == old
     pid = os.fork()
