@@ -15,8 +15,9 @@ does ``ShardWriter.close()``; at exit the kernel closes what is left.
 
 Only where the file system frees an open unlinked file's blocks at its last close and
 shows nothing meanwhile (``DEFERS_FREEING``): NFS renames it to ``.nfsXXXX`` until then,
-FUSE file systems to ``.fuse_hidden*``. Elsewhere, and on remote stores, each file is
-removed in turn, as before.
+FUSE file systems to ``.fuse_hidden*``. Elsewhere each file is removed in turn, as
+before; on a remote store as many at once as it deletes in one request
+(``Location.remove_all``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def retire(location: Location, names: list[str]) -> None:
     raises (with the files taken out so far closed by the thread)."""
     if not names:
         return
-    if not (location.is_local and file_system_type(location.root) in DEFERS_FREEING):
+    if not location.is_local:  # an object store: one request for many files where it takes that
+        location.remove_all(names)
+        crash_point("mid-cleanup")
+        return
+    if file_system_type(location.root) not in DEFERS_FREEING:
         for name in names:
             location.remove(name)
             crash_point("mid-cleanup")

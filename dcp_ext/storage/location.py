@@ -285,6 +285,11 @@ class Location(ABC):
     def remove(self, name: str) -> None:
         """Delete ``name``; a missing file is not an error."""
 
+    def remove_all(self, names: list[str]) -> None:
+        """``remove`` each of ``names``, in as few requests as the storage takes."""
+        for name in names:
+            self.remove(name)
+
     def sync_directory(self) -> None:
         """Make renames in the directory durable (only local disks have a directory to sync)."""
 
@@ -606,6 +611,17 @@ class FsspecLocation(Location):
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(name))
+
+    @store_errors
+    def remove_all(self, names: list[str]) -> None:
+        """An async store's ``rm`` of a list deletes in batches (s3fs: a thousand keys a
+        request): 16 retired files on the loopback S3 server, 109 -> 65 ms of a commit. A
+        synchronous file system's stops at the first missing file: each in turn there."""
+        if not (self.networked and names):
+            super().remove_all(names)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm([self.path(name) for name in names])
 
 
 class RangeReader(ABC):

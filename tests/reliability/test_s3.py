@@ -108,6 +108,34 @@ def test_overwrite_on_s3_switches_whole_and_cleans_up(s3, url):
     assert data_files == {i.relative_path for i in reader.catalog.items.values()}
 
 
+def test_a_save_over_a_checkpoint_deletes_the_retired_files_in_one_request(s3, url, monkeypatch):
+    """s3fs deletes a list of keys a thousand a request: the retired files (four data
+    files and the index set aside) go in one request, not one each."""
+    batches: list[list[str]] = []
+    bulk_delete, rm_file = s3fs.S3FileSystem._bulk_delete, s3fs.S3FileSystem._rm_file
+
+    async def counted_bulk_delete(self, pathlist, **kwargs):  # the real request, counted
+        batches.append([os.path.basename(p) for p in pathlist])
+        return await bulk_delete(self, pathlist, **kwargs)
+
+    async def counted_rm_file(self, path, **kwargs):
+        batches.append([os.path.basename(path)])
+        return await rm_file(self, path, **kwargs)
+
+    first, second = sample_state(1), sample_state(2)
+    save(first, url, storage_options=s3.options, thread_count=4)
+    old = {os.path.basename(p) for p in s3.fs().ls(url) if p.endswith(".distcp")}
+    monkeypatch.setattr(s3fs.S3FileSystem, "_bulk_delete", counted_bulk_delete)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_rm_file", counted_rm_file)
+    save(second, url, storage_options=s3.options, thread_count=4)
+    retired = [batch for batch in batches if old & set(batch)]
+    assert len(old) == 4 and len(retired) == 1 and old | {PREVIOUS_INDEX_NAME} == set(retired[0]), batches
+    got, reader = load(second, url, storage_options=s3.options)
+    assert_state_dict_equal(got, second)
+    assert {os.path.basename(p) for p in s3.fs().ls(url) if p.endswith(".distcp")} == {
+        i.relative_path for i in reader.catalog.items.values()}
+
+
 def _sharded_save_job(rank: int, world: int, url: str, options: dict) -> None:
     mesh = init_device_mesh("cpu", (world,))
     full = _resharding_state()
