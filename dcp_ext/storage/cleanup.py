@@ -42,14 +42,9 @@ def retire(location: Location, names: list[str]) -> None:
     raises (with the files taken out so far closed by the thread)."""
     if not names:
         return
-    if not location.is_local:  # an object store: one request for many files where it takes that
-        location.remove_all(names)
+    if not (location.is_local and file_system_type(location.root) in DEFERS_FREEING):
+        location.remove_all(names)  # in turn; an object store takes many in one request
         crash_point("mid-cleanup")
-        return
-    if file_system_type(location.root) not in DEFERS_FREEING:
-        for name in names:
-            location.remove(name)
-            crash_point("mid-cleanup")
         return
     held: list[int] = []
     try:
