@@ -705,11 +705,16 @@ def measure_loads(
 def measure_floor(cfg: Config, group: Group, path: Path, dst: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
     """Seconds of ``dcp.load`` with no storage reads, with DCP's default planner and with
     ShardLoadPlanner (whose local plan is in it): no reader can load faster than this plus
-    its reads, unless it overlaps them with DCP's own work."""
+    its reads, unless it overlaps them with DCP's own work. In a process group also
+    ShardLoadPlanner with ``no_dist=True`` (``ours_no_exchange``): the same steps without
+    DCP's plan exchange and closing all-gather, which is what they cost."""
     NoReadReader(path).read_metadata()  # cached: the floor holds no metadata read
+    variants = [("default", lambda: None, group.no_dist), ("ours", ShardLoadPlanner, group.no_dist)]
+    if not group.no_dist:
+        variants.append(("ours_no_exchange", ShardLoadPlanner, True))
     return {label: warm_samples(group, lambda: dcp.load(cfg.passed(dst), storage_reader=NoReadReader(path), planner=planner(),
-                                                        no_dist=group.no_dist), repeat)
-            for label, planner in (("default", lambda: None), ("ours", ShardLoadPlanner))}
+                                                        no_dist=no_dist), repeat)
+            for label, planner, no_dist in variants}
 
 
 def warm_samples(group: Group, fn: Callable[[], object], repeat: int) -> dict[str, Any]:
@@ -890,7 +895,10 @@ def report_floor(main: dict[str, Any]) -> None:
     raw_s = main["ceilings"]["read_warm"]["median_s"]
     ours_s = main["load"]["warm"]["ours-written"]["ours"]["median_s"]
     rows = []
-    for label, planner in (("default", "DefaultLoadPlanner"), ("ours", "ShardLoadPlanner")):
+    for label, planner in (("default", "DefaultLoadPlanner"), ("ours", "ShardLoadPlanner"),
+                           ("ours_no_exchange", "ShardLoadPlanner, no_dist=True")):
+        if label not in main["load_floor"]:  # one process: no exchange to leave out
+            continue
         floor_s = main["load_floor"][label]["median_s"]
         rows.append([planner, fmt(floor_s * 1e3, ".1f"), fmt(raw_s * 1e3, ".1f"), fmt((floor_s + raw_s) * 1e3, ".1f"),
                      fmt(ours_s * 1e3, ".1f"), fmt(ratio(floor_s + raw_s, ours_s))])

@@ -228,6 +228,7 @@ def coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:
     runs: list[tuple[int, list[Any]]] = []
     end = -1
     merged = 0  # bytes of the open run: holes under 1/32 of it are read through
+    holes = memoryview(bytearray(GAP_BYTES))  # what holes are read into: every one, discarded
     for request in task:
         targets = iter(request.targets())
         for offset, length in request.ranges:
@@ -238,7 +239,7 @@ def coalesce(task: list[Request]) -> list[tuple[int, list[Any]]]:
             gap = offset - end
             if runs and 0 <= gap <= max(SMALL_GAP_BYTES, min(GAP_BYTES, merged // 32)):
                 if gap:
-                    runs[-1][1].append(memoryview(bytearray(gap)))
+                    runs[-1][1].append(holes[:gap])
                 runs[-1][1].extend(buffers)
                 merged += gap + length
             else:
