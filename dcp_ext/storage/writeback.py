@@ -14,7 +14,11 @@ from __future__ import annotations
 import os
 from typing import IO
 
-WRITEBACK_BYTES = 32 << 20  # stretch handed to the disk at a time: large sequential I/O
+# Stretch handed to the disk at a time. The disk idles until the first one is handed over:
+# at 32 MiB a 60 MB file (0.12 GB saved by two threads) was half written before it started,
+# and its fsync waited ~22 ms for the other half (saves 62.1 -> 55.2 ms at 8 MiB; 2 processes
+# of 0.54 GB, one thread each, 253.9 -> 230.4 ms; 1.07 GB unchanged). 4 MiB was no faster.
+WRITEBACK_BYTES = 8 << 20
 
 
 class EarlyWriteback:
