@@ -262,6 +262,27 @@ class Location(ABC):
     @abstractmethod
     def _open_for_write(self, full: str, sync: bool) -> contextlib.AbstractContextManager[IO[bytes]]: ...
 
+    def sync_file(self, name: str) -> None:
+        """Make ``name``, written with ``create(name, sync=False)``, durable; its errors as
+        ``create``'s (a full disk can surface only here). Stores: durable once written. A
+        file that is gone is no error here: a commit's listing (``require_files``) names it
+        with what removed it (another save into the directory)."""
+        if not self.is_local:
+            return
+        try:
+            try:
+                fd = os.open(self.path(name), os.O_RDONLY)
+            except FileNotFoundError:
+                return
+            try:
+                os.fsync(fd)  # the file's dirty pages, whichever descriptor wrote them
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise CheckpointError(f"{self.url}: cannot make {name} durable ({exc.strerror or exc})") from exc
+            raise StorageFullError(self._full_message(name, None, exc)) from exc
+
     def write_bytes(self, name: str, data: bytes, sync: bool) -> None:
         with self.create(name, sync, needed=len(data)) as f:
             f.write(data)

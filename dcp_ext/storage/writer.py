@@ -50,7 +50,7 @@ from dcp_ext.storage.save_tracking import (
     uploads_on_a_thread,
 )
 from dcp_ext.storage.staging import AsyncStagingMixin
-from dcp_ext.storage.writeback import early_writeback
+from dcp_ext.storage.writeback import PendingSyncs, early_writeback
 
 DCP_METADATA_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 
@@ -158,6 +158,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         self.save_number = 0  # the running save's turn (``SaveSlot``)
         self._created_dir = False  # coordinator: this save created the directory
         self._token = ""  # coordinator: the running save's data-file token
+        self._pending_syncs: PendingSyncs | None = None  # coordinator: its data files' fsyncs (write_data)
 
     # -- DCP protocol ---------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -238,6 +239,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                 "keeps fresh names) or enable_plan_caching=False"
             )
         prefix: FilePrefix = plan.storage_data
+        self._data_durable(failed_save=True)  # a save whose finish DCP skipped (another rank failed)
         try:
             self._refuse_quantized(plan)
             with self.clock.phase("write"):
@@ -271,10 +273,16 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         crash_point("after-data")
         token = self._token
         with discard_on_failure(token):  # until the commit point
-            results, pieces = split_piece_digests(results)
-            check_piece_digests(pieces, self.location.url)
-            with self.clock.phase("metadata"):
-                metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
+            try:
+                results, pieces = split_piece_digests(results)
+                check_piece_digests(pieces, self.location.url)
+                with self.clock.phase("metadata"):  # while this rank's data files are made durable
+                    metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
+            except BaseException:
+                self._data_durable(failed_save=True)  # its threads end before its files are removed
+                raise
+            with self.clock.phase("write"):
+                self._data_durable()  # on disk before .metadata names them
             with self.clock.phase("commit"):
                 commit(self.location, self.save_id, metadata_bytes, index_bytes, referenced, self.sync_files,
                        at_commit_point=lambda: OPEN_SAVES.committed(token))
@@ -305,6 +313,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
             super().close()
         finally:
             self.slot.wait_idle()
+            self._data_durable(failed_save=True)
             OPEN_SAVES.discard_failed()
             wait_for_cleanup(self.location)
 
@@ -343,12 +352,30 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         buckets = split_by_bytes(plan.items, self.thread_count)
         results: list[WriteResult] = []
         copies = HostCopies()  # device tensors' bytes through bounded host buffers (made on first use)
+        # the coordinator's fsyncs run on while it gathers and encodes (writeback.PendingSyncs)
+        defer_sync = self.is_coordinator and self.sync_files and self.location.is_local
+        names = [prefix.file_name(n) for n in range(len(buckets))]
         calls = [
-            functools.partial(self._write_file, prefix.file_name(n), bucket, planner, copies) for n, bucket in enumerate(buckets)
+            functools.partial(self._write_file, name, bucket, planner, copies, self.sync_files and not defer_sync)
+            for name, bucket in zip(names, buckets)
         ]
         for written in run_parallel(calls, "dcp_ext-write"):
             results.extend(written)
+        if defer_sync:
+            self._pending_syncs = PendingSyncs(self.location, names)
         return results
+
+    def _data_durable(self, failed_save: bool = False) -> None:
+        """Wait for the fsyncs of the coordinator's data files (``PendingSyncs``); those of a
+        failed save (its ``finish`` raised, or DCP skipped it) without their errors."""
+        pending, self._pending_syncs = self._pending_syncs, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception:
+            if not failed_save:
+                raise
 
     @gc_paused()  # a million-chunk save builds and pickles millions of objects, no garbage
     def _encode(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, set[str]]:
@@ -389,9 +416,11 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         )
         publish(self.last_report, self.on_report)
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, copies: HostCopies) -> list[WriteResult]:
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, copies: HostCopies, sync: bool
+    ) -> list[WriteResult]:
         results = []
-        with self.location.create(name, self.sync_files, needed=sum(map(item_nbytes, items))) as out:
+        with self.location.create(name, sync, needed=sum(map(item_nbytes, items))) as out:
             sink = RecordSink(out, self.checksums)
             # a local file to be fsynced goes to disk while later records are serialized
             writeback = early_writeback(out) if self.sync_files and self.location.is_local else None

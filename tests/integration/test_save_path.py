@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
+import sys
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
@@ -22,7 +26,8 @@ from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.torch_record import RecordSink, parse_tensor_record, write_device_tensor, write_tensor
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.verify import verify_checkpoint
-from dcp_ext.storage.writeback import WRITEBACK_BYTES, EarlyWriteback, early_writeback
+from dcp_ext.storage.location import Location
+from dcp_ext.storage.writeback import WRITEBACK_BYTES, EarlyWriteback, PendingSyncs, early_writeback
 
 from mp import run_job
 from support import assert_state_dict_equal, garbage_like, load, load_error, save
@@ -77,6 +82,121 @@ def test_files_written_back_early_read_bit_exact(tmp_path):
     assert len(sizes) == 2 and min(sizes) > WRITEBACK_BYTES, sizes  # each file crossed a stretch
     report = verify_checkpoint(path)
     assert report.ok and report.faults == [] and report.items_without_checksum == 0, report
+
+
+def _sync_events(path: str) -> list[tuple[str, str, str]]:
+    """(event, file name, thread) of this process's re-opens for an fsync (``os.open``
+    read-only) and renames under ``path``, from Python's audit hooks: no call is replaced."""
+    events: list[tuple[str, str, str]] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], str) and args[0].endswith(".distcp") and args[0].startswith(path) and (
+            args[1] is None and args[2] & os.O_ACCMODE == os.O_RDONLY  # os.open, read-only
+        ):
+            events.append(("fsync-open", os.path.basename(args[0]), threading.current_thread().name))
+        elif event == "os.rename" and str(args[0]).startswith(path):
+            events.append(("rename", os.path.basename(str(args[1])), threading.current_thread().name))
+
+    sys.addaudithook(hook)  # a worker process of its own: the hook goes with it
+    return events
+
+
+def _sync_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dcp_ext-sync")]
+
+
+def _save_watching_syncs(rank: int, world: int, path: str) -> tuple[list[tuple[str, str, str]], list[str], list[str]]:
+    events = _sync_events(path)
+    full = _globals()
+    dcp.save(_state(full, False), storage_writer=ShardWriter(path, thread_count=2))
+    during_save, alive = list(events), _sync_threads()  # the load below opens the files too
+    mine = sorted(f for f in os.listdir(path) if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
+    ours = _state(full, True)
+    dcp.load(ours, storage_reader=ShardReader(path, cache_metadata=False), planner=ShardLoadPlanner())
+    assert_state_dict_equal(_locals(ours), _locals(_state(full, False)))
+    return during_save, mine, alive
+
+
+@pytest.mark.mp
+def test_the_coordinator_syncs_its_files_while_it_encodes_and_before_it_commits(tmp_path):
+    """The coordinator's data files get their fsync on threads of their own once written
+    (``PendingSyncs``), which run while DCP gathers the results and the metadata is encoded,
+    and are awaited before ``.metadata`` names the files; every other rank's files are
+    synced by the thread that wrote them before its ``write_data`` returns (nothing later
+    would tell the coordinator they are durable). No sync thread outlives ``dcp.save``."""
+    path = str(tmp_path / "ckpt")
+    (events0, files0, alive0), (events1, files1, alive1) = run_job(_save_watching_syncs, 2, path)
+    assert len(files0) == 2 and len(files1) == 2, (files0, files1)
+    synced = [(name, thread) for kind, name, thread in events0 if kind == "fsync-open"]
+    assert sorted(name for name, _ in synced) == files0, events0
+    assert all(thread.startswith("dcp_ext-sync") for _, thread in synced), synced
+    renames = [name for kind, name, _ in events0 if kind == "rename"]
+    assert ".metadata" in renames, events0
+    last_sync = max(i for i, e in enumerate(events0) if e[0] == "fsync-open")
+    assert last_sync < next(i for i, e in enumerate(events0) if e[:2] == ("rename", ".metadata")), events0
+    assert [e for e in events1 if e[0] == "fsync-open"] == [], events1  # synced as written, not re-opened
+    assert alive0 == [] and alive1 == [], (alive0, alive1)
+
+
+class _FailsOnRankOne(ShardSavePlanner):
+    """Rank 1's writes fail at their first item: rank 0 has written its files by then, and
+    DCP skips the coordinator's ``finish``."""
+
+    def resolve_data(self, write_item):
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 cannot produce its data")
+        return super().resolve_data(write_item)
+
+
+def _failed_save_then_next(rank: int, world: int, path: str, close_first: bool) -> list[str]:
+    full = _globals()
+    writer = ShardWriter(path, thread_count=2)
+    with pytest.raises(CheckpointException, match="rank 1 cannot produce its data"):
+        dcp.save(_state(full, False), storage_writer=writer, planner=_FailsOnRankOne())
+    if close_first:
+        writer.close()  # waits for the failed save's syncs and removes its files
+        assert _sync_threads() == []
+        dist.barrier()
+        assert not os.path.exists(path)  # the failed save's files and the directory it made
+    dcp.save(_state(full, False), storage_writer=writer, planner=ShardSavePlanner())
+    ours = _state(full, True)
+    dcp.load(ours, storage_reader=ShardReader(path, cache_metadata=False), planner=ShardLoadPlanner())
+    assert_state_dict_equal(_locals(ours), _locals(_state(full, False)))
+    return _sync_threads()
+
+
+@pytest.mark.mp
+@pytest.mark.parametrize("close_first", [True, False])
+def test_a_save_whose_finish_dcp_skipped_leaves_no_sync_running(tmp_path, close_first):
+    """Another rank's failed write: DCP never calls the coordinator's ``finish``, which
+    would have awaited its files' syncs. ``close()`` or the writer's next save does (their
+    failures, on files of a failed save, are not raised); the next save commits and loads
+    bit-exact from garbage."""
+    assert run_job(_failed_save_then_next, 2, str(tmp_path / "ckpt"), close_first) == [[], []]
+
+
+def test_sync_file_leaves_a_missing_file_to_the_commit(tmp_path):
+    """A data file removed before its deferred fsync (another save into the directory took
+    it for a dead save's) is reported by the commit's listing, which says what happened
+    (``test_load.py::test_a_save_whose_files_another_job_removed_fails_and_the_other_stays``),
+    not as a failed fsync."""
+    location = Location(str(tmp_path))
+    location.sync_file("__0_gone_0.distcp")
+    (tmp_path / "here.distcp").write_bytes(b"x" * 100)
+    location.sync_file("here.distcp")
+    assert (tmp_path / "here.distcp").read_bytes() == b"x" * 100
+
+
+def test_pending_syncs_stay_in_the_process_that_started_them(tmp_path):
+    """A writer pickled into DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``)
+    while syncs of its last save still run carries none of them."""
+    (tmp_path / "a.distcp").write_bytes(b"a" * 4096)
+    pending = PendingSyncs(Location(str(tmp_path)), ["a.distcp"])
+    try:
+        assert pickle.loads(pickle.dumps(pending)) is None
+    finally:
+        pending.wait()
+    assert _sync_threads() == []
 
 
 def test_early_writeback_queues_each_stretch_once(tmp_path):
