@@ -43,6 +43,7 @@ from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
 from dcp_ext.storage.location import Location
+from dcp_ext.storage.writeback import PendingSyncs
 
 TEMP_FILE = re.compile(r"^\.(metadata|dcp_ext_index\.parquet|dcp_ext_commit)\.[0-9a-f]+\.tmp$")
 
@@ -56,8 +57,11 @@ def commit(
     referenced: set[str],
     sync: bool,
     at_commit_point: Callable[[], None] = lambda: None,
+    data_durable: Callable[[], None] = lambda: None,
 ) -> None:
-    """Publish a checkpoint whose data files (``referenced``) are already written (and synced).
+    """Publish a checkpoint whose data files (``referenced``) are already written (and synced,
+    or syncing: ``data_durable`` waits until they are, and runs before anything names them;
+    locally once the temporary files are written, so that their writes overlap the wait).
 
     ``at_commit_point`` runs once ``.metadata`` may reference the new data files: from
     then on a failure must not remove them (before it, ``discard_save`` removes them and
@@ -71,6 +75,7 @@ def commit(
         return CommitMarker.for_bytes(save_id, metadata_bytes, index_bytes, location.stamp(written_metadata)).encode()
 
     if not location.is_local:
+        data_durable()
         crash_point("before-commit")
         require_files(location, referenced)
         set_index_aside(location)
@@ -83,8 +88,11 @@ def commit(
         return
     temps = {name: temp_name(name, save_id) for name in (INDEX_NAME, METADATA_NAME, MARKER_NAME)}
     for name, data in ((INDEX_NAME, index_bytes), (METADATA_NAME, metadata_bytes)):
-        location.write_bytes(temps[name], data, sync)
-    location.write_bytes(temps[MARKER_NAME], marker(temps[METADATA_NAME]), sync)  # a rename keeps the stamp
+        location.write_bytes(temps[name], data, sync=False)
+    location.write_bytes(temps[MARKER_NAME], marker(temps[METADATA_NAME]), sync=False)  # a rename keeps the stamp
+    if sync:  # at once: one journal commit takes them with the data files' (ext4 waited for it at the first)
+        PendingSyncs(location, list(temps.values())).wait()
+    data_durable()
     if sync:
         location.sync_directory()  # data file and temp names are durable before the switch
     crash_point("before-commit")

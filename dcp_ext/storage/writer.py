@@ -278,15 +278,13 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                 check_piece_digests(pieces, self.location.url)
                 with self.clock.phase("metadata"):  # while this rank's data files are made durable
                     metadata_bytes, index_bytes, referenced = self._encode(metadata, results)
+                with self.clock.phase("commit"):  # its temporary files too, then the wait for them
+                    commit(self.location, self.save_id, metadata_bytes, index_bytes, referenced, self.sync_files,
+                           at_commit_point=lambda: OPEN_SAVES.committed(token), data_durable=self._data_durable)
+                    retire(self.location, unreferenced(self.location, referenced))  # their space comes back on a thread
             except BaseException:
                 self._data_durable(failed_save=True)  # its threads end before its files are removed
                 raise
-            with self.clock.phase("write"):
-                self._data_durable()  # on disk before .metadata names them
-            with self.clock.phase("commit"):
-                commit(self.location, self.save_id, metadata_bytes, index_bytes, referenced, self.sync_files,
-                       at_commit_point=lambda: OPEN_SAVES.committed(token))
-                retire(self.location, unreferenced(self.location, referenced))  # their space comes back on a thread
         self._publish(metadata_bytes=len(metadata_bytes) + len(index_bytes))
 
     # -- AsyncStager protocol ---------------------------------------------------------------

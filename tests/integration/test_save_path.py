@@ -26,6 +26,7 @@ from dcp_ext.formats.index import INDEX_NAME
 from dcp_ext.formats.torch_record import RecordSink, parse_tensor_record, write_device_tensor, write_tensor
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.verify import verify_checkpoint
+from dcp_ext.storage.commit import TEMP_FILE
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.writeback import WRITEBACK_BYTES, EarlyWriteback, PendingSyncs, early_writeback
 
@@ -90,9 +91,9 @@ def _sync_events(path: str) -> list[tuple[str, str, str]]:
     events: list[tuple[str, str, str]] = []
 
     def hook(event: str, args: tuple) -> None:
-        if event == "open" and isinstance(args[0], str) and args[0].endswith(".distcp") and args[0].startswith(path) and (
-            args[1] is None and args[2] & os.O_ACCMODE == os.O_RDONLY  # os.open, read-only
-        ):
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(path) and (
+            args[0].endswith(".distcp") or TEMP_FILE.match(os.path.basename(args[0]))
+        ) and args[1] is None and args[2] & os.O_ACCMODE == os.O_RDONLY:  # os.open, read-only
             events.append(("fsync-open", os.path.basename(args[0]), threading.current_thread().name))
         elif event == "os.rename" and str(args[0]).startswith(path):
             events.append(("rename", os.path.basename(str(args[1])), threading.current_thread().name))
@@ -121,14 +122,18 @@ def _save_watching_syncs(rank: int, world: int, path: str) -> tuple[list[tuple[s
 def test_the_coordinator_syncs_its_files_while_it_encodes_and_before_it_commits(tmp_path):
     """The coordinator's data files get their fsync on threads of their own once written
     (``PendingSyncs``), which run while DCP gathers the results and the metadata is encoded,
-    and are awaited before ``.metadata`` names the files; every other rank's files are
+    and are awaited before ``.metadata`` names the files; the commit's temporary files are
+    synced at once, beside them (one journal commit on ext4); every other rank's files are
     synced by the thread that wrote them before its ``write_data`` returns (nothing later
     would tell the coordinator they are durable). No sync thread outlives ``dcp.save``."""
     path = str(tmp_path / "ckpt")
     (events0, files0, alive0), (events1, files1, alive1) = run_job(_save_watching_syncs, 2, path)
     assert len(files0) == 2 and len(files1) == 2, (files0, files1)
     synced = [(name, thread) for kind, name, thread in events0 if kind == "fsync-open"]
-    assert sorted(name for name, _ in synced) == files0, events0
+    assert sorted(name for name, _ in synced if name.endswith(".distcp")) == files0, events0
+    # the index, .metadata and marker written to temporary names are synced at once too
+    assert sorted(TEMP_FILE.match(name).group(1) for name, _ in synced if not name.endswith(".distcp")) == [
+        "dcp_ext_commit", "dcp_ext_index.parquet", "metadata"], events0
     assert all(thread.startswith("dcp_ext-sync") for _, thread in synced), synced
     renames = [name for kind, name, _ in events0 if kind == "rename"]
     assert ".metadata" in renames, events0
