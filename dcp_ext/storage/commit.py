@@ -43,7 +43,7 @@ from dcp_ext.formats.marker import MARKER_NAME, CommitMarker
 from dcp_ext.runtime.crash import crash_point
 from dcp_ext.storage.catalog import METADATA_NAME, read_catalog
 from dcp_ext.storage.location import Location
-from dcp_ext.storage.writeback import PendingSyncs
+from dcp_ext.storage.writeback import PendingSyncs, syncs_later
 
 TEMP_FILE = re.compile(r"^\.(metadata|dcp_ext_index\.parquet|dcp_ext_commit)\.[0-9a-f]+\.tmp$")
 
@@ -87,10 +87,13 @@ def commit(
         location.write_bytes(MARKER_NAME, marker(METADATA_NAME), sync)  # the commit point
         return
     temps = {name: temp_name(name, save_id) for name in (INDEX_NAME, METADATA_NAME, MARKER_NAME)}
+    # all three synced at once, beside the data files' syncs still running: one journal commit
+    # takes them all (ext4's first fsync waited for the one with the data files anyway)
+    together = sync and syncs_later(location)
     for name, data in ((INDEX_NAME, index_bytes), (METADATA_NAME, metadata_bytes)):
-        location.write_bytes(temps[name], data, sync=False)
-    location.write_bytes(temps[MARKER_NAME], marker(temps[METADATA_NAME]), sync=False)  # a rename keeps the stamp
-    if sync:  # at once: one journal commit takes them with the data files' (ext4 waited for it at the first)
+        location.write_bytes(temps[name], data, sync and not together)
+    location.write_bytes(temps[MARKER_NAME], marker(temps[METADATA_NAME]), sync and not together)  # a rename keeps the stamp
+    if together:
         PendingSyncs(location, list(temps.values())).wait()
     data_durable()
     if sync:

@@ -12,7 +12,9 @@ The coordinator goes further: its ``fsync``s run on threads (``PendingSyncs``) w
 gathers the ranks' results and it encodes the metadata, which it used to do only after
 them, its main thread idle meanwhile; it waits for them before the commit names the files.
 Every other rank's files are durable when its ``write_data`` returns: nothing later tells
-the coordinator that they are.
+the coordinator that they are. Only on file systems whose ``fsync`` takes a file's data
+through any descriptor of it (``syncs_later``): a FUSE daemon gets the handle the call
+came through, and may hold data per handle, so there each file is synced as written.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from dcp_ext.runtime.threads import StartedPool
+from dcp_ext.storage.cleanup import file_system_type
 from dcp_ext.storage.location import Location
 
 # Stretch handed to the disk at a time. The disk idles until the first one is handed over:
@@ -61,6 +64,15 @@ def early_writeback(out: IO[bytes]) -> EarlyWriteback | None:
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
         return None
     return EarlyWriteback(out)
+
+
+SYNCED_BY_INODE = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "nfs", "nfs4"})
+
+
+def syncs_later(location: Location) -> bool:
+    """Whether files written to ``location`` may be closed first and synced later, through
+    a descriptor of their own (``Location.sync_file``)."""
+    return location.is_local and file_system_type(location.root) in SYNCED_BY_INODE
 
 
 class PendingSyncs:

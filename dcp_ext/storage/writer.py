@@ -50,7 +50,7 @@ from dcp_ext.storage.save_tracking import (
     uploads_on_a_thread,
 )
 from dcp_ext.storage.staging import AsyncStagingMixin
-from dcp_ext.storage.writeback import PendingSyncs, early_writeback
+from dcp_ext.storage.writeback import PendingSyncs, early_writeback, syncs_later
 
 DCP_METADATA_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 
@@ -351,7 +351,7 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
         results: list[WriteResult] = []
         copies = HostCopies()  # device tensors' bytes through bounded host buffers (made on first use)
         # the coordinator's fsyncs run on while it gathers and encodes (writeback.PendingSyncs)
-        defer_sync = self.is_coordinator and self.sync_files and self.location.is_local
+        defer_sync = self.is_coordinator and self.sync_files and syncs_later(self.location)
         names = [prefix.file_name(n) for n in range(len(buckets))]
         calls = [
             functools.partial(self._write_file, name, bucket, planner, copies, self.sync_files and not defer_sync)
