@@ -154,10 +154,11 @@ class TwoStageExchange:
         planning_error: BaseException | None = None,
         expected_bytes: int = 0,
         expected_files: int = 0,
+        in_memory: bool = False,
     ) -> tuple[int, set[str]]:
         """Fill every request; returns (bytes this rank read from storage, files it opened).
-        The group plans its own reads, so ``expected_bytes`` and ``expected_files`` (a
-        local reader's task and pool sizes) are not needed.
+        The group plans its own reads, so ``expected_bytes``, ``expected_files`` and
+        ``in_memory`` (a local reader's task and pool sizes) are not needed.
 
         Every rank must call this, even one whose planning failed (pass the error): the
         failure is shared in the first collective and raised on every rank alike, as is a

@@ -5,6 +5,8 @@ blocked in the kernel (waiting for the disk or for page-cache copies), so two pe
 keep both the disk queue and the cores busy, and more only add switching. The cores are
 the process's CPU affinity shared among the ranks on its node (``LOCAL_WORLD_SIZE``, set
 by torchrun and most launchers), so eight ranks on a 64-core node do not each start 16.
+A read of bytes all in the page cache waits for nothing but its copy: one thread per core
+then (``cores_per_rank``; ``ShardReader`` asks the page cache first).
 
 And how they run: ``StartedPool`` starts all of a pool's threads before its first task.
 ``concurrent.futures.ThreadPoolExecutor`` starts one per submit, so every thread after the
@@ -31,8 +33,13 @@ def io_thread_count(requested: int | None = None, owner: str = "") -> int:
     """``requested`` when given (a positive integer), else the rule above."""
     if requested is not None:
         return positive_int(owner, "thread_count", requested)
+    return max(MIN_THREADS, min(MAX_THREADS, 2 * cores_per_rank()))
+
+
+def cores_per_rank() -> int:
+    """The cores this process can count on: its CPU affinity shared among the ranks on its node."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(MIN_THREADS, min(MAX_THREADS, 2 * max(1, cores // _ranks_on_node())))
+    return max(1, cores // _ranks_on_node())
 
 
 def _ranks_on_node() -> int:

@@ -28,6 +28,7 @@ import fsspec
 
 from dcp_ext.errors import CheckpointError, InvalidRequestError, StorageFullError, UnsafeCheckpointError
 from dcp_ext.formats.data_files import check_relative_name
+from dcp_ext.storage import page_cache
 
 IOV_MAX = 1024  # scatter buffers per preadv call (the Linux limit)
 # Bytes per preadv where the page cache does not hold a range: a large read waits for the
@@ -669,6 +670,11 @@ class RangeReader(ABC):
         them all at once while the caller goes on; False where that cannot be said."""
         return False
 
+    def in_memory(self, start: int, end: int) -> bool:
+        """Whether memory (a page cache) holds bytes ``[start, end)`` whole, asked without
+        reading them; False where that cannot be asked (a remote store, an old kernel)."""
+        return False
+
     def fetch(self, ranges: Sequence[tuple[int, int]]) -> FetchedSpans:
         """The bytes of ``(offset, length)`` ranges, touching ones read as one span, in one
         ``read_runs`` call (a remote store batches it)."""
@@ -776,6 +782,9 @@ class LocalRangeReader(RangeReader):
                 raise
             self._nowait = None
         return True
+
+    def in_memory(self, start: int, end: int) -> bool:
+        return page_cache.cached(self.fd, start, end) is True
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """``POSIX_FADV_WILLNEED`` for each range, neighbours merged: the kernel queues the

@@ -32,7 +32,7 @@ from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault, dense_
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
-from dcp_ext.runtime.threads import io_thread_count
+from dcp_ext.runtime.threads import cores_per_rank, io_thread_count
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, rank_metadata_name, read_rank_catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog, replaced_since_read, with_views
@@ -84,7 +84,9 @@ class ShardReader(StorageReader):
 
     Args:
         path: local directory or fsspec URL.
-        thread_count: parallel reads per rank (default: from the CPU count).
+        thread_count: parallel reads per rank (default: two per core the rank can count
+            on, one per core for a load whose bytes the page cache holds, which then waits
+            for nothing but their copy; with one, the calling thread reads).
         verify_checksums: check every byte read against its recorded checksum.
         cache_metadata: share parsed metadata with every reader in this process.
         require_commit_marker: refuse a checkpoint of ours whose commit marker is missing
@@ -141,6 +143,8 @@ class ShardReader(StorageReader):
         self.megatron = megatron  # options of the Megatron formats (None: their defaults)
         self.location = Location(path, storage_options)
         self.thread_count = io_thread_count(thread_count, "ShardReader")
+        # a load whose bytes are all in the page cache: one thread per core (ScatterReads.run)
+        self.in_memory_thread_count = self.thread_count if thread_count is not None else cores_per_rank()
         self.verify_checksums = options.flag("ShardReader", "verify_checksums", verify_checksums)
         self.cache_metadata = options.flag("ShardReader", "cache_metadata", cache_metadata)
         self.require_commit_marker = options.flag("ShardReader", "require_commit_marker", require_commit_marker, optional=True)
@@ -288,7 +292,8 @@ class ShardReader(StorageReader):
         self._check_mode_confirmed(plan)
         planner = self._bytes_checked(planner)
         catalog = self._require_catalog()
-        settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes)
+        settings = ReadSettings(self.location, self.thread_count, self._missing, self.group, self.exchange_budget_bytes,
+                                in_memory_thread_count=self.in_memory_thread_count)
         executor = EXECUTORS["two_stage" if self.two_stage else "local"](settings)
         identity = LoadIdentity(self.location.cache_key(), catalog.fingerprint)
         commits: list[Callable[[], None]] = []
@@ -313,6 +318,7 @@ class ShardReader(StorageReader):
             identity,
             expected_bytes=sum(record.length for record in records),
             expected_files=len({record.relative_path for record in records}),
+            in_memory=not self.two_stage and self._in_memory(records),
         )
         self.clock.add("exchange", executor.seconds)
         self.stats.bytes_received += executor.bytes_received
@@ -416,6 +422,23 @@ class ShardReader(StorageReader):
                     yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits)
                 else:
                     yield from self._direct_requests(direct, i - count)
+
+    def _in_memory(self, records: list[StoredItem]) -> bool:
+        """Whether the page cache holds every file's stretch the load reads (from its first
+        record to the end of its last: ``RangeReader.in_memory``); no where that cannot be
+        asked, or a file cannot be opened (its reads say why)."""
+        spans: dict[str, tuple[int, int]] = {}
+        for record in records:
+            start, end = spans.get(record.relative_path, (record.offset, record.offset))
+            spans[record.relative_path] = (min(start, record.offset), max(end, record.offset + record.length))
+        try:
+            for path, (start, end) in spans.items():
+                with self.location.open_reader(path) as reader:
+                    if not reader.in_memory(start, end):
+                        return False
+        except (OSError, CheckpointError):
+            return False
+        return True
 
     def _direct_requests(self, direct: DirectPieces, position: int) -> list[Request]:
         """Requests of a direct piece: its record's layout from the index, its memory from

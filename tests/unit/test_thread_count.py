@@ -14,6 +14,9 @@ import torch.distributed.checkpoint as dcp
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 from dcp_ext.errors import InvalidRequestError
 from dcp_ext.runtime.threads import MAX_THREADS, MIN_THREADS, StartedPool, io_thread_count
+from dcp_ext.storage import page_cache
+
+from support import assert_state_dict_equal, evict, garbage_like
 
 
 def test_rule_shares_the_cores_among_the_ranks_of_a_node(monkeypatch) -> None:
@@ -124,7 +127,8 @@ def test_started_pool_shutdown_always_waits_and_refuses_later_work() -> None:
 
 def test_a_load_starts_no_more_reader_threads_than_it_has_tasks(tmp_path) -> None:
     """A pool starts every thread up front, so a load of one small tensor must not start
-    thread_count of them (16 on a big node: ~1 ms of starts for one read)."""
+    thread_count of them (16 on a big node: ~1 ms of starts for one read): its one task is
+    read on the calling thread, with no pool at all."""
     want = {"w": torch.arange(12.0).reshape(3, 4)}
     dcp.save(want, storage_writer=ShardWriter(tmp_path), no_dist=True)
     seen: list[int] = []
@@ -136,4 +140,74 @@ def test_a_load_starts_no_more_reader_threads_than_it_has_tasks(tmp_path) -> Non
 
     got = {"w": torch.full((3, 4), -7.0)}
     dcp.load(got, storage_reader=ShardReader(tmp_path, thread_count=8), planner=Watching(), no_dist=True)
-    assert torch.equal(got["w"], want["w"]) and seen == [1]
+    assert torch.equal(got["w"], want["w"]) and seen == [0]
+
+
+def _files_cached(path) -> bool | None:
+    """Whether the page cache holds every data file under ``path`` whole (None: cannot tell)."""
+    answers = []
+    for name in os.listdir(path):
+        if name.endswith(".distcp"):
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                answers.append(page_cache.cached(fd, 0, os.fstat(fd).st_size))
+            finally:
+                os.close(fd)
+    return None if None in answers else all(answers)
+
+
+def test_page_cache_answers_for_a_files_stretch(tmp_path) -> None:
+    target = tmp_path / "f.bin"
+    target.write_bytes(os.urandom(1 << 20))
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        if page_cache.cached(fd, 0, 1 << 20) is None:
+            pytest.skip("no cachestat(2) here (another OS or architecture, Linux before 6.5, a seccomp filter)")
+        os.read(fd, 1 << 20)
+        assert page_cache.cached(fd, 0, 1 << 20) is True
+        assert page_cache.cached(fd, 5, 5) is True  # nothing to hold
+        evict(target)
+        if page_cache.cached(fd, 0, 1 << 20):
+            pytest.skip("this file system keeps the file's pages (tmpfs)")
+        assert page_cache.cached(fd, 0, 4096) is False
+        os.pread(fd, 4096, 0)
+        assert page_cache.cached(fd, 0, 4096) is True
+    finally:
+        os.close(fd)
+
+
+def test_a_load_the_page_cache_holds_reads_on_one_thread_per_core(tmp_path, monkeypatch) -> None:
+    """Reads of bytes all in the page cache wait for nothing but their copy: a load starts
+    one thread per core the rank can count on (here one: the calling thread reads, no pool),
+    and two per core when the bytes must come from the disk. Asked with cachestat(2), which
+    reads nothing: a probing read that missed would start readahead. Both loads bit-exact
+    into garbage; an explicit thread_count stays what it says."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0))))  # one core per rank
+    g = torch.Generator().manual_seed(5)
+    want = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}  # 8 MiB in 4 files
+    dcp.save(want, storage_writer=ShardWriter(tmp_path, thread_count=4), no_dist=True)
+    seen: list[int] = []
+
+    class Watching(ShardLoadPlanner):
+        def resolve_tensor(self, read_item):  # noqa: ANN001, ANN201 (runs while the reads are planned)
+            seen.append(len(_pool_threads("dcp_ext-read")))
+            return super().resolve_tensor(read_item)
+
+    def load(**reader_options) -> list[int]:
+        seen.clear()
+        got = {k: garbage_like(v) for k, v in want.items()}
+        dcp.load(got, storage_reader=ShardReader(tmp_path, **reader_options), planner=Watching(), no_dist=True)
+        assert_state_dict_equal(got, want)
+        return sorted(set(seen))
+
+    for name in os.listdir(tmp_path):
+        (tmp_path / name).read_bytes()  # every file in the page cache
+    if _files_cached(tmp_path) is None:
+        pytest.skip("no cachestat(2) here: every load reads as from the disk")
+    assert load() == [0]  # in memory, one core: the calling thread reads
+    assert max(load(thread_count=3)) >= 2  # given: a pool, however warm
+    for name in os.listdir(tmp_path):
+        evict(tmp_path / name)
+    if _files_cached(tmp_path):
+        pytest.skip("this file system keeps the files' pages (tmpfs)")
+    assert max(load()) == 2  # from the disk: two threads per core, as before

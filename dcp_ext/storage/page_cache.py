@@ -1,0 +1,53 @@
+"""Whether the page cache holds a stretch of a file, asked without reading it.
+
+Linux's ``cachestat(2)`` (6.5+) counts the cached pages of a range in one call. A read
+with ``RWF_NOWAIT`` tells too, but one that misses starts the kernel's readahead there,
+which changes what the next question about that file is answered. Called through libc's
+``syscall``: Python has no binding. None wherever it cannot be asked (another OS or
+architecture, an older kernel, a seccomp filter that refuses it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+from collections.abc import Callable
+
+_CACHESTAT = 451  # the syscall's number on x86_64 and in the generic table (arm64, riscv64)
+_ARCHES = frozenset({"x86_64", "aarch64", "arm64", "riscv64"})
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+def _syscall() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux") or platform.machine() not in _ARCHES:
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+
+
+_SYSCALL = _syscall()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def cached(fd: int, start: int, end: int) -> bool | None:
+    """Whether every page of bytes ``[start, end)`` of open file ``fd`` is in the page cache."""
+    global _SYSCALL
+    if _SYSCALL is None or end <= start:
+        return None if _SYSCALL is None else True
+    span, stat = _Range(start, end - start), _Stat()
+    if _SYSCALL(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+        _SYSCALL = None  # ENOSYS, EPERM: not on this kernel or in this sandbox
+        return None
+    return stat.nr_cache >= (end - 1) // _PAGE - start // _PAGE + 1
