@@ -10,7 +10,7 @@ architecture, an older kernel, a seccomp filter that refuses it).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import errno
 import os
 import platform
 import sys
@@ -29,10 +29,11 @@ class _Stat(ctypes.Structure):
 
 
 def _syscall() -> Callable[..., int] | None:
+    """libc's ``syscall``, from the symbols already loaded into the process (no library search)."""
     if not sys.platform.startswith("linux") or platform.machine() not in _ARCHES:
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).syscall
+        return ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
 
@@ -47,7 +48,8 @@ def cached(fd: int, start: int, end: int) -> bool | None:
     if _SYSCALL is None or end <= start:
         return None if _SYSCALL is None else True
     span, stat = _Range(start, end - start), _Stat()
-    if _SYSCALL(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
-        _SYSCALL = None  # ENOSYS, EPERM: not on this kernel or in this sandbox
+    if _SYSCALL(ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(span), ctypes.byref(stat), ctypes.c_long(0)) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # not on this kernel, or not in this sandbox
+            _SYSCALL = None
         return None
     return stat.nr_cache >= (end - 1) // _PAGE - start // _PAGE + 1
