@@ -23,6 +23,7 @@ before; on a remote store as many at once as it deletes in one request
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -117,13 +118,24 @@ if hasattr(os, "register_at_fork"):
 
 def file_system_type(path: str) -> str | None:
     """The type of the file system ``path`` is on, from the longest mount point above it in
-    ``/proc/self/mountinfo``; None where that cannot be read (not Linux)."""
+    ``/proc/self/mountinfo``; None where that cannot be read (not Linux). Read once per
+    directory and device: a save asks three times (its writes, commit and cleanup)."""
+    real = os.path.realpath(path)
+    try:
+        device = os.stat(real).st_dev  # another file system mounted there: another device
+    except OSError:
+        device = None
+    return _file_system_type(real, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_system_type(real: str, device: int | None) -> str | None:
     try:
         with open("/proc/self/mountinfo") as f:
             text = f.read()
     except OSError:
         return None
-    return mount_type(text, os.path.realpath(path))
+    return mount_type(text, real)
 
 
 def mount_type(mountinfo: str, path: str) -> str | None:

@@ -249,10 +249,15 @@ class Location(ABC):
         Running out of space raises ``StorageFullError`` naming the file and ``needed``
         (the bytes the caller meant to write), instead of a bare ENOSPC ``OSError``.
         """
-        full = self.path(name)
+        with self._write_errors(name, needed), self._open_for_write(self.path(name), sync) as f:
+            yield f
+
+    @contextlib.contextmanager
+    def _write_errors(self, name: str, needed: int | None) -> Iterator[None]:
+        """A write or sync of ``name`` the caller may not make, or that the disk has no
+        room for, as CheckpointError / StorageFullError naming it."""
         try:
-            with self._open_for_write(full, sync) as f:
-                yield f
+            yield
         except PermissionError as exc:
             raise CheckpointError(f"{self.url}: cannot write {name} ({exc.strerror or exc})") from None
         except OSError as exc:
@@ -270,7 +275,7 @@ class Location(ABC):
         with what removed it (another save into the directory)."""
         if not self.is_local:
             return
-        try:
+        with self._write_errors(name, None):
             try:
                 fd = os.open(self.path(name), os.O_RDONLY)
             except FileNotFoundError:
@@ -279,10 +284,6 @@ class Location(ABC):
                 os.fsync(fd)  # the file's dirty pages, whichever descriptor wrote them
             finally:
                 os.close(fd)
-        except OSError as exc:
-            if exc.errno not in NO_SPACE:
-                raise CheckpointError(f"{self.url}: cannot make {name} durable ({exc.strerror or exc})") from exc
-            raise StorageFullError(self._full_message(name, None, exc)) from exc
 
     def write_bytes(self, name: str, data: bytes, sync: bool) -> None:
         with self.create(name, sync, needed=len(data)) as f:

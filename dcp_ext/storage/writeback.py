@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from dcp_ext.runtime.threads import StartedPool
-from dcp_ext.storage.cleanup import file_system_type
+from dcp_ext.storage.cleanup import DEFERS_FREEING, file_system_type
 from dcp_ext.storage.location import Location
 
 # Stretch handed to the disk at a time. The disk idles until the first one is handed over:
@@ -66,7 +66,7 @@ def early_writeback(out: IO[bytes]) -> EarlyWriteback | None:
     return EarlyWriteback(out)
 
 
-SYNCED_BY_INODE = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "nfs", "nfs4"})
+SYNCED_BY_INODE = DEFERS_FREEING | {"nfs", "nfs4"}  # the kernel's own file systems, whose fsync is per inode
 
 
 def syncs_later(location: Location) -> bool:
