@@ -13,8 +13,9 @@ import ctypes
 import errno
 import os
 import platform
-import sys
 from collections.abc import Callable
+
+from dcp_ext.runtime.libc import loaded_function
 
 _CACHESTAT = 451  # the syscall's number on x86_64 and in the generic table (arm64, riscv64)
 _ARCHES = frozenset({"x86_64", "aarch64", "arm64", "riscv64"})
@@ -29,27 +30,32 @@ class _Stat(ctypes.Structure):
 
 
 def _syscall() -> Callable[..., int] | None:
-    """libc's ``syscall``, from the symbols already loaded into the process (no library search)."""
-    if not sys.platform.startswith("linux") or platform.machine() not in _ARCHES:
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).syscall
-    except (OSError, AttributeError):
-        return None
+    """libc's ``syscall`` where the call's number is known (the architectures above)."""
+    return loaded_function("syscall") if platform.machine() in _ARCHES else None
 
 
 _SYSCALL = _syscall()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def cached(fd: int, start: int, end: int) -> bool | None:
-    """Whether every page of bytes ``[start, end)`` of open file ``fd`` is in the page cache."""
+def counts(fd: int, start: int, end: int) -> _Stat | None:
+    """The kernel's page counts over bytes ``[start, end)`` (``end > start``) of open file
+    ``fd``: cached, dirty, under writeback, evicted (``nr_cache``, ``nr_dirty``, ...);
+    None where they cannot be asked."""
     global _SYSCALL
-    if _SYSCALL is None or end <= start:
-        return None if _SYSCALL is None else True
+    if _SYSCALL is None:
+        return None
     span, stat = _Range(start, end - start), _Stat()
     if _SYSCALL(ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(span), ctypes.byref(stat), ctypes.c_long(0)) != 0:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # not on this kernel, or not in this sandbox
             _SYSCALL = None
         return None
-    return stat.nr_cache >= (end - 1) // _PAGE - start // _PAGE + 1
+    return stat
+
+
+def cached(fd: int, start: int, end: int) -> bool | None:
+    """Whether every page of bytes ``[start, end)`` of open file ``fd`` is in the page cache."""
+    if end <= start:
+        return None if _SYSCALL is None else True
+    stat = counts(fd, start, end)
+    return None if stat is None else stat.nr_cache >= (end - 1) // _PAGE - start // _PAGE + 1

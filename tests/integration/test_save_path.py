@@ -27,6 +27,7 @@ from dcp_ext.formats.torch_record import RecordSink, parse_tensor_record, write_
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.verify import verify_checkpoint
 from dcp_ext.storage.commit import TEMP_FILE
+from dcp_ext.storage import page_cache
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.writeback import WRITEBACK_BYTES, EarlyWriteback, PendingSyncs, early_writeback
 
@@ -217,6 +218,45 @@ def test_early_writeback_queues_each_stretch_once(tmp_path):
             queued.append(writeback.started)
     assert queued == [0, 6000, 6000, 6000, 18100]  # queued once 4096 bytes are pending
     assert target.read_bytes() == b"".join(pieces)
+
+
+def test_a_save_leaves_its_data_files_in_the_page_cache(tmp_path):
+    # early writeback must not evict: a load right after the save reads memory, not the disk
+    # again (with posix_fadvise(DONTNEED) about half of each file's pages were dropped here)
+    g = torch.Generator().manual_seed(3)
+    state = {f"t.{i}": torch.randn(1 << 20, generator=g) for i in range(24)}  # 96 MiB in two files
+    save(state, tmp_path, thread_count=2)
+    files = sorted(tmp_path.glob("*.distcp"))
+    assert len(files) == 2 and min(f.stat().st_size for f in files) > 4 * WRITEBACK_BYTES
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            held = page_cache.cached(fd, 0, file.stat().st_size)
+        finally:
+            os.close(fd)
+        if held is None:
+            pytest.skip("needs cachestat(2) (Linux 6.5+) to ask the page cache")
+        assert held, f"{file.name}: pages left the page cache"
+    out, _ = load(state, tmp_path)
+    assert_state_dict_equal(out, state)
+
+
+def test_early_writeback_starts_the_disk_writes_of_each_stretch(tmp_path):
+    data = os.urandom(1 << 20) * 12
+    with open(tmp_path / "file", "wb", buffering=1 << 20) as out:
+        writeback = early_writeback(out)
+        assert writeback is not None  # Linux: sync_file_range
+        for end in range(1 << 20, len(data) + 1, 1 << 20):
+            out.write(data[end - (1 << 20):end])
+            writeback.written(end)
+        out.flush()
+        queued = page_cache.counts(out.fileno(), 0, writeback.started)
+        rest = page_cache.counts(out.fileno(), writeback.started, len(data))
+    if queued is None:
+        pytest.skip("needs cachestat(2) (Linux 6.5+) to count dirty pages")
+    assert writeback.started == WRITEBACK_BYTES
+    assert queued.nr_dirty == 0 and queued.nr_cache == WRITEBACK_BYTES // os.sysconf("SC_PAGE_SIZE"), (queued.nr_dirty, queued.nr_cache)
+    assert rest.nr_dirty == rest.nr_cache > 0  # the last stretch waits for the fsync
 
 
 def test_early_writeback_needs_a_real_file():
