@@ -193,6 +193,13 @@ class NoReadReader(ShardReader):
     """ShardReader (metadata cached) whose ``read_data`` reads nothing: what ``dcp.load``
     costs before and after any storage read (its set-up, the planner, the collectives)."""
 
+    def _takes_columns(self) -> bool:
+        # as ShardReader itself answers (ShardReader reads columns where the checkpoint has no
+        # TP-replica copies); the default answer for a subclass with its own read_data is no,
+        # and ShardLoadPlanner would then build a ReadItem for each piece (590 at 2 processes:
+        # ~1.5 ms) that no load of ours builds
+        return not self._require_catalog().copies
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
