@@ -110,7 +110,9 @@ class ScatterReads:
     ) -> tuple[int, set[str]]:
         """Reads from the page cache wait for nothing but their copy: one thread per core
         then (``in_memory_thread_count``), and with one, the calling thread reads each file
-        as it is planned (2 ranks on 2 cores: 48.1 -> 44.3 ms a warm load of 0.54 GB)."""
+        as it is planned (2 ranks on 2 cores: 48.1 -> 44.3 ms a warm load of 0.54 GB). With
+        more, the calling thread is one of them: once every task is handed out, it runs the
+        ones no pool thread has started, last first (0.12 GB warm, 9.41 -> 9.29 ms)."""
         if planning_error is not None:
             raise planning_error
         self.staging = None
@@ -118,8 +120,8 @@ class ScatterReads:
         limit = task_limit(expected_bytes, threads)
         if expected_files:  # no more threads than there can be tasks (each file's cut at limit)
             threads = max(1, min(threads, expected_files + expected_bytes // limit))
-        pool = StartedPool(threads, "dcp_ext-read") if threads > 1 else None
-        futures: list[Future[int]] = []
+        pool = StartedPool(threads - 1, "dcp_ext-read") if threads > 1 else None
+        handed: list[tuple[Future[int], Callable[[list[Request]], int], list[Request]]] = []
         files: set[str] = set()
         total = 0
         try:
@@ -128,9 +130,12 @@ class ScatterReads:
                 if pool is None:
                     total += runner(task)
                 else:
-                    futures.append(pool.submit(runner, task))
+                    handed.append((pool.submit(runner, task), runner, task))
                 files.add(task[0].path)
-            total += sum(future.result() for future in futures)
+            for future, runner, task in reversed(handed):
+                if future.cancel():  # no pool thread took it
+                    total += runner(task)
+            total += sum(future.result() for future, _, _ in handed if not future.cancelled())
         except BaseException:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)  # what has started lands before the error is raised

@@ -179,9 +179,10 @@ def test_page_cache_answers_for_a_files_stretch(tmp_path) -> None:
 def test_a_load_the_page_cache_holds_reads_on_one_thread_per_core(tmp_path, monkeypatch) -> None:
     """Reads of bytes all in the page cache wait for nothing but their copy: a load starts
     one thread per core the rank can count on (here one: the calling thread reads, no pool),
-    and two per core when the bytes must come from the disk. Asked with cachestat(2), which
-    reads nothing: a probing read that missed would start readahead. Both loads bit-exact
-    into garbage; an explicit thread_count stays what it says."""
+    and two per core when the bytes must come from the disk (the calling thread and one of
+    a pool). Asked with cachestat(2), which reads nothing: a probing read that missed would
+    start readahead. Both loads bit-exact into garbage; an explicit thread_count stays what
+    it says."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0))))  # one core per rank
     g = torch.Generator().manual_seed(5)
     want = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}  # 8 MiB in 4 files
@@ -205,9 +206,44 @@ def test_a_load_the_page_cache_holds_reads_on_one_thread_per_core(tmp_path, monk
     if _files_cached(tmp_path) is None:
         pytest.skip("no cachestat(2) here: every load reads as from the disk")
     assert load() == [0]  # in memory, one core: the calling thread reads
-    assert max(load(thread_count=3)) >= 2  # given: a pool, however warm
+    assert max(load(thread_count=3)) == 2  # given: the calling thread and two of a pool, however warm
     for name in os.listdir(tmp_path):
         evict(tmp_path / name)
     if _files_cached(tmp_path):
         pytest.skip("this file system keeps the files' pages (tmpfs)")
-    assert max(load()) == 2  # from the disk: two threads per core, as before
+    assert max(load()) == 1  # from the disk: two threads per core, the calling thread one of them
+
+
+def test_the_calling_thread_reads_beside_the_pool(tmp_path) -> None:
+    """A load on two threads starts one: the calling thread reads the files no pool thread
+    has taken once it has handed every file out (seen through Python's audit hooks: each
+    read task opens its file; the calling thread first opens each once to ask the page
+    cache, so a file it opened twice is one it read)."""
+    g = torch.Generator().manual_seed(9)
+    want = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(16)}  # 64 MiB in 16 files
+    dcp.save(want, storage_writer=ShardWriter(tmp_path, thread_count=16), no_dist=True)
+    for name in os.listdir(tmp_path):
+        (tmp_path / name).read_bytes()  # every file in the page cache: the probe opens each
+    opened: list[tuple[str, str]] = []
+    watching = [False]
+
+    def note(event: str, args: tuple) -> None:
+        if watching[0] and event == "open" and str(args[0]).endswith(".distcp"):
+            opened.append((threading.current_thread().name, str(args[0])))
+
+    sys.addaudithook(note)
+    read_by_caller = 0
+    try:
+        for _ in range(3):
+            got = {k: garbage_like(v) for k, v in want.items()}
+            opened.clear()
+            watching[0] = True
+            dcp.load(got, storage_reader=ShardReader(tmp_path, thread_count=2), planner=ShardLoadPlanner(), no_dist=True)
+            watching[0] = False
+            assert_state_dict_equal(got, want)
+            assert {thread for thread, _ in opened} <= {"MainThread", "dcp_ext-read-0"}  # one pool thread
+            by_caller = [path for thread, path in opened if thread == "MainThread"]
+            read_by_caller += len(by_caller) - len(set(by_caller))
+    finally:
+        watching[0] = False
+    assert read_by_caller > 0
