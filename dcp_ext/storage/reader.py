@@ -44,11 +44,12 @@ from dcp_ext.storage.executors import (
 )
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
+    SLAB_BYTES,
     Request,
+    StraightRecords,
     copy_record_box,
     lands_straight,
     raise_if_corrupt,
-    straight_requests,
     tensor_requests,
     whole_record_request,
 )
@@ -336,17 +337,22 @@ class ShardReader(StorageReader):
             return list(plan.items), DirectPieces.none()
         if reads.keys is not catalog.metadata.state_dict_metadata or not isinstance(catalog.items, IndexedItems):
             return list(plan.items) + reads.read_items(), DirectPieces.none()
-        records = catalog.items.items_at(reads.rows, [reads.fqn(piece) for piece in range(len(reads))])
+        records = catalog.items.items_at(reads.rows, [reads.fqns[shard] for shard in reads.shard])
         items = list(plan.items)
-        direct = DirectPieces(reads, [], [])
+        direct = DirectPieces(reads, [], [], [])
         verify = self.verify_checksums
         for piece, record in enumerate(records):
-            if record.payload_offset >= 0 and not record.transforms and not (verify and record.checksum is None) and (
-                    reads.landings[reads.shard[piece]] is not None):
-                direct.pieces.append(piece)
-                direct.records.append(record)
-            else:
+            shard = reads.shard[piece]
+            landing = reads.landings[shard]
+            if landing is None or record.payload_offset < 0 or record.transforms or (verify and record.checksum is None):
                 items.append(reads.read_item(piece))
+                continue
+            direct.pieces.append(piece)
+            direct.records.append(record)
+            # a whole chunk filling a whole shard of host memory (most pieces): no layout to build
+            straight = not verify and landing.nbytes <= SLAB_BYTES and (
+                reads.lengths[piece] == reads.saved_sizes[piece] == landing.shape and lands_straight(landing, reads.dtypes[shard]))
+            direct.straight.append(landing if straight else None)
         return items, direct
 
     def _takes_columns(self) -> bool:
@@ -417,11 +423,22 @@ class ShardReader(StorageReader):
             group = list(positions)
             file_items = [items[i] for i in group if i < count]
             layouts = iter(self._layouts(catalog, file_items, [stored[i] for i in group if i < count]))
+            straight = StraightRecords(records[group[0]].relative_path)
             for i in group:
-                if i < count:
-                    yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits)
+                landing = None if i < count else direct.straight[i - count]
+                if landing is not None:
+                    request = straight.add(direct.reads.fqn(direct.pieces[i - count]), records[i].payload_offset, landing)
                 else:
+                    request = straight.flush()  # the requests stay in file order
+                if request is not None:
+                    yield request
+                if landing is None and i < count:
+                    yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits)
+                elif landing is None:
                     yield from self._direct_requests(direct, i - count)
+            request = straight.flush()
+            if request is not None:
+                yield request
 
     def _in_memory(self, records: list[StoredItem]) -> bool:
         """Whether the page cache holds every file's stretch the load reads (from its first
@@ -441,15 +458,12 @@ class ShardReader(StorageReader):
         return True
 
     def _direct_requests(self, direct: DirectPieces, position: int) -> list[Request]:
-        """Requests of a direct piece: its record's layout from the index, its memory from
-        the planner's landing tensor; nothing to commit (the planner's ``commit_tensor``
-        is DCP's, which does nothing). A whole chunk filling a whole shard of host memory
-        (most pieces) goes straight there without building its layout."""
+        """Requests of a direct piece that does not go straight (``DirectPieces.straight``):
+        its record's layout from the index, its memory from the planner's landing tensor;
+        nothing to commit (the planner's ``commit_tensor`` is DCP's, which does nothing)."""
         reads, piece, record = direct.reads, direct.pieces[position], direct.records[position]
         shard = reads.shard[piece]
-        fqn, dtype, landing, lengths = reads.fqns[shard], reads.dtypes[shard], reads.landings[shard], reads.lengths[piece]
-        if not self.verify_checksums and lengths == reads.saved_sizes[piece] == landing.shape and lands_straight(landing, dtype):
-            return straight_requests(record.relative_path, fqn, record.payload_offset, landing)  # a chunk into a shard
+        fqn, dtype, lengths = reads.fqns[shard], reads.dtypes[shard], reads.lengths[piece]
         where = self._where(record.relative_path, fqn)
         dest = reads.destination(piece)
         if dest.shape != lengths:
@@ -751,15 +765,18 @@ class ReaderMode:
 
 @dataclasses.dataclass
 class DirectPieces:
-    """Pieces of a plan's columns read without a ReadItem, with their records."""
+    """Pieces of a plan's columns read without a ReadItem, with their records, and for
+    each the landing tensor it is read straight into as a whole record (``StraightRecords``;
+    None: through its layout, ``ShardReader._direct_requests``)."""
 
     reads: TensorReads
     pieces: list[int]
     records: list[StoredItem]
+    straight: list[torch.Tensor | None]
 
     @staticmethod
     def none() -> DirectPieces:
-        return DirectPieces(TensorReads.empty(), [], [])
+        return DirectPieces(TensorReads.empty(), [], [], [])
 
 
 def _plans_every_element(planner: LoadPlanner) -> bool:

@@ -15,7 +15,9 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
 from dcp_ext.errors import ChecksumMismatchError
+from dcp_ext.storage.executors import EXECUTORS, ScatterReads
 from dcp_ext.storage.read_columns import TensorReads
+from dcp_ext.storage.read_plan import SLAB_BYTES, Request
 
 from support import assert_tensor_equal, garbage_like
 
@@ -163,3 +165,44 @@ def test_a_fresh_process_loads_without_importing_numpy_ma(tmp_path):
     if before == "True" or pandas == "True":  # pyarrow's Parquet reader imports pandas where it is installed
         pytest.skip("numpy.ma or pandas (which imports it) is imported outside our code in this environment")
     assert after == "False"
+
+
+class RecordingReads(ScatterReads):
+    """The local executor, keeping the requests it was handed (it still reads them all)."""
+
+    handed: list[Request] = []
+
+    def run(self, requests, identity, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        taken = list(requests)
+        RecordingReads.handed = taken
+        return super().run(taken, identity, **kwargs)
+
+
+def test_whole_records_going_straight_share_requests_in_file_order(tmp_path, monkeypatch):
+    """Whole chunks filling whole host destinations are read as one request per ~SLAB_BYTES
+    of records (``StraightRecords``); a destination that needs its layout (strided, another
+    dtype) gets its own requests between them, a record over SLAB_BYTES its slabs, an empty
+    one none; every byte lands."""
+    g = torch.Generator().manual_seed(5)
+    saved = {f"small.{i}": torch.randn(64, 33 + i, generator=g) for i in range(40)}
+    saved["empty"] = torch.empty(0, 8)
+    saved["big"] = torch.randn(SLAB_BYTES // 4 + 1000, generator=g)  # over one slab
+    saved["strided"] = torch.randn(12, 10, generator=g)
+    saved["as_bf16"] = torch.randn(9, 7, generator=g)
+    dcp.save(saved, storage_writer=ShardWriter(tmp_path), no_dist=True)
+    got = {k: garbage_like(v) for k, v in saved.items()}
+    got["strided"] = garbage_like(saved["strided"].t().contiguous()).t()  # same shape, not contiguous
+    got["as_bf16"] = garbage_like(saved["as_bf16"]).to(torch.bfloat16)
+    monkeypatch.setitem(EXECUTORS, "local", RecordingReads)
+    dcp.load(got, storage_reader=ShardReader(tmp_path), planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in saved.items():
+        assert_tensor_equal(got[key], want.to(got[key].dtype), key)
+    handed = RecordingReads.handed
+    spans = [(r.path, r.ranges[0][0], r.ranges[-1][0] + r.ranges[-1][1]) for r in handed]
+    for (path, _, end), (next_path, start, _) in zip(spans, spans[1:]):
+        assert path != next_path or end <= start  # in file order, none inside another
+    ranges = sorted((r.path, *rng) for r in handed for rng in r.ranges)
+    assert all(a[0] != b[0] or a[1] + a[2] <= b[1] for a, b in zip(ranges, ranges[1:]))  # no byte asked twice
+    packed = [r for r in handed if len(r.ranges) > 1]
+    assert sum(len(r.ranges) for r in packed) >= 40  # the small records, together
+    assert len(handed) < 12  # 44 records: one request per record before
