@@ -311,25 +311,25 @@ class StraightRecords:
         self._records: list[tuple[int, torch.Tensor]] = []  # (file offset, destination)
         self._bytes = 0
 
-    def add(self, key: str, start: int, dest: torch.Tensor) -> Request | None:
+    def add(self, key: str, start: int, dest: torch.Tensor) -> tuple[Request, ...]:
         """Take a record; the request it completes, if it does."""
         nbytes = dest.nbytes
         if not nbytes:
-            return None
+            return ()
         if not self._records:
             self._key = key
         self._records.append((start, dest))
         self._bytes += nbytes
-        return self.flush() if self._bytes >= SLAB_BYTES else None
+        return self.flush() if self._bytes >= SLAB_BYTES else ()
 
-    def flush(self) -> Request | None:
+    def flush(self) -> tuple[Request, ...]:
         """The request of the records taken since the last one, if any were."""
         if not self._records:
-            return None
+            return ()
         records = self._records
         self._records, self._bytes = [], 0
-        return Request(self.path, self._key, [(start, dest.nbytes) for start, dest in records],
-                       lambda: [host_bytes(dest) for _, dest in records])
+        return (Request(self.path, self._key, [(start, dest.nbytes) for start, dest in records],
+                        lambda: [host_bytes(dest) for _, dest in records]),)
 
 
 def _slabs(box: BoxRead) -> Iterator[BoxRead]:

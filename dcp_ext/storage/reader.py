@@ -427,18 +427,14 @@ class ShardReader(StorageReader):
             for i in group:
                 landing = None if i < count else direct.straight[i - count]
                 if landing is not None:
-                    request = straight.add(direct.reads.fqn(direct.pieces[i - count]), records[i].payload_offset, landing)
-                else:
-                    request = straight.flush()  # the requests stay in file order
-                if request is not None:
-                    yield request
-                if landing is None and i < count:
+                    yield from straight.add(direct.reads.fqn(direct.pieces[i - count]), records[i].payload_offset, landing)
+                    continue
+                yield from straight.flush()  # the requests stay in file order
+                if i < count:
                     yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits)
-                elif landing is None:
+                else:
                     yield from self._direct_requests(direct, i - count)
-            request = straight.flush()
-            if request is not None:
-                yield request
+            yield from straight.flush()
 
     def _in_memory(self, records: list[StoredItem]) -> bool:
         """Whether the page cache holds every file's stretch the load reads (from its first
