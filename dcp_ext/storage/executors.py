@@ -25,6 +25,8 @@ from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
 
 TASK_BYTES = 32 << 20  # least bytes one thread reads before the next task is picked
+# from a local disk: a cold 0.12 GB file read as four 32 MiB stretches took 47.4 ms, as two of 60 MB 43.8
+DISK_TASK_BYTES = 64 << 20
 SCRATCH_BYTES = 64 << 20  # temporary memory the requests one thread reads at once allocate (or one request's)
 SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
 GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
@@ -117,7 +119,8 @@ class ScatterReads:
             raise planning_error
         self.staging = None
         threads = self.settings.in_memory_thread_count if in_memory else self.settings.thread_count
-        limit = task_limit(expected_bytes, threads)
+        from_disk = not in_memory and self.settings.location.is_local
+        limit = task_limit(expected_bytes, threads, DISK_TASK_BYTES if from_disk else TASK_BYTES)
         if expected_files:  # no more threads than there can be tasks (each file's cut at limit)
             threads = max(1, min(threads, expected_files + expected_bytes // limit))
         pool = StartedPool(threads - 1, "dcp_ext-read") if threads > 1 else None
@@ -184,11 +187,14 @@ class ScatterReads:
 register_executor("local", ScatterReads)
 
 
-def task_limit(total_bytes: int, threads: int) -> int:
-    """Bytes per task: a thread's even share of the load (at least TASK_BYTES), so each
+def task_limit(total_bytes: int, threads: int, least: int = TASK_BYTES) -> int:
+    """Bytes per task: a thread's even share of the load (at least ``least``), so each
     thread reads one long stretch of a file. Cold reads run 15-20% faster that way than
-    with threads taking turns on neighbouring 32 MiB pieces of the same file."""
-    return max(TASK_BYTES, -(-total_bytes // threads))
+    with threads taking turns on neighbouring 32 MiB pieces of the same file, and a load
+    from a local disk takes fewer, longer stretches (``DISK_TASK_BYTES``): the kernel reads
+    ahead of each stream, and on this virtual disk four streams of ~30 MB took 8% longer
+    than two of ~60 (the page cache keeps even shares: a copy waits for nothing)."""
+    return max(least, -(-total_bytes // threads))
 
 
 class FileSpan(Protocol):
