@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
+from dcp_ext.formats import torch_record
 from dcp_ext.formats.torch_record import PROBE_BYTES, RecordLayouts, _save_record, parse_tensor_record, probed_ranges
 from dcp_ext.storage import location as location_module
 from dcp_ext.storage.location import LocalRangeReader
@@ -68,6 +69,24 @@ def test_records_of_a_kind_after_the_first_need_no_full_parse():
         assert outcome(layouts.parse, data) == outcome(parse_tensor_record, data)
     assert layouts.parsed_in_full <= len(KINDS) + 2  # a view's varying offset can make a second kind
     assert layouts.parsed_in_full < len(records) / 2
+
+
+def test_a_record_is_compared_only_with_frames_that_begin_as_it_does(monkeypatch):
+    """fp32 [64, 64] and bf16 [64, 128] records have one length; interleaved (as a model's
+    weights and biases are), each is compared with its own kind's frame alone, never first
+    with the other's (their zip headers are alike; their pickles' first bytes are not)."""
+    compared: list[torch.dtype] = []
+    match = torch_record._Frame.match
+    monkeypatch.setattr(torch_record._Frame, "match", lambda self, ends: compared.append(self.parsed.layout.dtype) or match(self, ends))
+    makers = [KINDS["fp32"], KINDS["bf16 of the same bytes"]]
+    records = [(make(n).dtype, record(make(n))) for n in range(5) for make in makers]
+    assert len({len(data) for _, data in records}) == 1
+    layouts = RecordLayouts()
+    for dtype, data in records:
+        compared.clear()
+        assert outcome(layouts.parse, data) == outcome(parse_tensor_record, data)
+        assert set(compared) <= {dtype}
+    assert layouts.parsed_in_full == 2
 
 
 @pytest.mark.parametrize("kind", ["fp32", "large", "conj view"])
