@@ -284,10 +284,10 @@ def probed_ranges(length: int) -> list[tuple[int, int]]:
     return [(0, head)] + ([(tail, length - tail)] if tail < length else [])
 
 
-RecordEnds = tuple[bytes, bytes, int]  # a record's head, its tail, where the tail starts
+_RecordEnds = tuple[bytes, bytes, int]  # a record's head, its tail, where the tail starts
 
 
-def _record_ends(length: int, read_at: Callable[[int, int], bytes]) -> RecordEnds:
+def _record_ends(length: int, read_at: Callable[[int, int], bytes]) -> _RecordEnds:
     """The first and last ``PROBE_BYTES`` of a record of ``length`` bytes (the bytes
     ``probed_ranges`` names), read through ``read_at``."""
     head = read_at(0, min(length, PROBE_BYTES))
@@ -301,7 +301,7 @@ class _ProbedRecord(io.RawIOBase):
     """A seekable view of one record served from its probed head and tail bytes (``ends``:
     read already)."""
 
-    def __init__(self, length: int, read_at: Callable[[int, int], bytes], ends: RecordEnds | None = None):
+    def __init__(self, length: int, read_at: Callable[[int, int], bytes], ends: _RecordEnds | None = None):
         self.length = length
         self.read_at = read_at
         self.head, self.tail, self.tail_start = ends or _record_ends(length, read_at)
@@ -512,7 +512,8 @@ class RecordLayouts:
             frame = _Frame.of(probe, parsed) if self._kinds.get(length, 0) < self.KINDS else None
             if frame is not None:
                 self._kinds[length] = self._kinds.get(length, 0) + 1
-                self._frames[length, frame.key()] = self._frames.get((length, frame.key()), ()) + (frame,)
+                key = (length, frame.key())
+                self._frames[key] = self._frames.get(key, ()) + (frame,)
         return parsed.layout
 
 
