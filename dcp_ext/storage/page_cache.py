@@ -35,7 +35,7 @@ def _syscall() -> Callable[..., int] | None:
 
 
 _SYSCALL = _syscall()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def counts(fd: int, start: int, end: int) -> _Stat | None:
@@ -65,4 +65,4 @@ def cached_pages(fd: int, start: int, end: int) -> tuple[int, int] | None:
     """(pages the page cache holds, pages) of bytes ``[start, end)`` (``end > start``) of
     open file ``fd``; None where that cannot be asked."""
     stat = counts(fd, start, end)
-    return None if stat is None else (stat.nr_cache, (end - 1) // _PAGE - start // _PAGE + 1)
+    return None if stat is None else (stat.nr_cache, (end - 1) // PAGE_BYTES - start // PAGE_BYTES + 1)

@@ -161,6 +161,21 @@ def test_a_server_that_ignores_range_requests_is_named(tmp_path) -> None:
         server.shutdown()
 
 
+def _noted_reads(monkeypatch) -> list[int]:  # noqa: ANN001
+    """The bytes of each read call the location module makes from here on (probes, which
+    pass flags, left out); the reads are real."""
+    calls: list[int] = []
+    real_preadv = os.preadv
+
+    def noted(fd: int, buffers, offset: int, *flags: int) -> int:  # noqa: ANN001
+        if not flags:
+            calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(location_module.os, "preadv", noted)
+    return calls
+
+
 def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path, monkeypatch) -> None:
     """A range the page cache does not hold is read COLD_READ_BYTES at a time (the kernel
     reads ahead of small reads), a cached one in one call, also when only the range's
@@ -172,15 +187,7 @@ def test_an_uncached_range_is_read_in_small_steps_into_the_right_places(tmp_path
     path.write_bytes(data.numpy().tobytes())
     sizes = [1, COLD_READ_BYTES - 1, 3 * COLD_READ_BYTES + 7, *[3] * 1500, 4096, COLD_READ_BYTES]
     start, end = 100, 100 + sum(sizes)
-    calls: list[int] = []
-    real_preadv = os.preadv
-
-    def noted(fd: int, buffers, offset: int, *flags: int) -> int:
-        if not flags:  # not the probe
-            calls.append(sum(memoryview(b).nbytes for b in buffers))
-        return real_preadv(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(location_module.os, "preadv", noted)
+    calls = _noted_reads(monkeypatch)
     reader = LocalRangeReader(str(path))
     try:
         for attempt in ("cold", "ends cached", "warm"):
@@ -222,14 +229,7 @@ def test_a_range_the_page_cache_holds_in_part_is_read_in_small_steps(tmp_path, m
     data = torch.randint(0, 256, (4 * COLD_READ_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     path = tmp_path / "f.bin"
     path.write_bytes(data.numpy().tobytes())
-    calls: list[int] = []
-    real_preadv = os.preadv
-
-    def noted(fd: int, buffers, offset: int, *flags: int) -> int:
-        if not flags:  # not a probe
-            calls.append(sum(memoryview(b).nbytes for b in buffers))
-        return real_preadv(fd, buffers, offset, *flags)
-
+    calls = _noted_reads(monkeypatch)
     fd = os.open(path, os.O_RDONLY)
     reader = LocalRangeReader(str(path))
     try:
@@ -243,7 +243,6 @@ def test_a_range_the_page_cache_holds_in_part_is_read_in_small_steps(tmp_path, m
         for at in range(0, len(data), record):
             os.pread(fd, PROBE_BYTES, at), os.pread(fd, PROBE_BYTES, at + record - PROBE_BYTES)
         assert reader.holds((0, COLD_READ_BYTES - PROBE_BYTES))  # where the probes look: held
-        monkeypatch.setattr(location_module.os, "preadv", noted)
         dest = torch.full((len(data),), 0xA5, dtype=torch.uint8)
         assert reader.read_into(0, [memoryview(dest.numpy())]) == len(data)
         assert torch.equal(dest, data)
@@ -251,6 +250,27 @@ def test_a_range_the_page_cache_holds_in_part_is_read_in_small_steps(tmp_path, m
     finally:
         reader.close()
         os.close(fd)
+
+
+def test_released_ranges_leave_the_page_cache_whole_pages_and_all(tmp_path) -> None:
+    """``release`` drops what a ``prefetch`` of unaligned ranges brought in (whole pages,
+    rounded outward: the kernel cached those), so the reads that follow find none of it."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    ranges = [(100, 5000), (200_000, 10), (500_000, 70_000)]
+    reader = LocalRangeReader(str(path))
+    try:
+        evict(path)
+        if page_cache.cached_pages(reader.fd, 0, 1 << 20) in (None, (256, 256)):
+            pytest.skip("no cachestat(2) here, or this file system keeps the file's pages (tmpfs)")
+        os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the pages read, no read-ahead
+        for offset, n in ranges:
+            os.pread(reader.fd, n, offset)
+        assert all(page_cache.cached(reader.fd, offset, offset + n) for offset, n in ranges)
+        reader.release(ranges)
+        assert page_cache.cached_pages(reader.fd, 0, 1 << 20)[0] == 0
+    finally:
+        reader.close()
 
 
 class _CountedLocation(location_module.LocalLocation):

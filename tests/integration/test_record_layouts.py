@@ -239,19 +239,24 @@ def _covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
 def test_records_not_in_memory_are_prefetched_then_parsed_bit_exact(tmp_path, monkeypatch):
     """When the page cache lacks a stock file's records, the kernel is asked for the head
     and tail of every record at once (``POSIX_FADV_WILLNEED``), then the planning thread
-    parses them (CPU work under the GIL, which threads slow down); when it holds them,
-    nothing is asked. Either way every tensor lands bit-exact."""
+    parses them (CPU work under the GIL, which threads slow down), and their pages are
+    dropped again (``POSIX_FADV_DONTNEED``: left cached, they broke the readahead of the
+    data reads that follow); when it holds them, nothing is asked or dropped. Either way
+    every tensor lands bit-exact."""
     state = _stock_one_file(tmp_path)
     (data_file,) = tmp_path.glob("*.distcp")
     stored = dcp.FileSystemReader(tmp_path).read_metadata().storage_data.items()
     records = [record for index, record in stored if state[index.fqn].numel()]  # an empty one is not parsed
     parsed_on = _note_parsing_threads(monkeypatch)
     advised: list[tuple[int, int]] = []
+    released: list[tuple[int, int]] = []
     real_fadvise = os.posix_fadvise
 
     def noted(fd: int, offset: int, length: int, advice: int) -> None:
         if advice == os.POSIX_FADV_WILLNEED:
             advised.append((offset, length))
+        if advice == os.POSIX_FADV_DONTNEED:
+            released.append((offset, length))
         real_fadvise(fd, offset, length, advice)
 
     monkeypatch.setattr(location_module.os, "posix_fadvise", noted)
@@ -261,18 +266,19 @@ def test_records_not_in_memory_are_prefetched_then_parsed_bit_exact(tmp_path, mo
             if LocalRangeReader(str(data_file)).holds([0]):
                 pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
             evict(data_file)  # the probe may have started reading ahead
-        parsed_on.clear(), advised.clear()
+        parsed_on.clear(), advised.clear(), released.clear()
         _load_bit_exact(str(tmp_path), state)
         assert len(parsed_on) == sum(v.numel() > 0 for v in state.values())  # an empty one reads nothing
         assert not [name for name in parsed_on if name.startswith("dcp_ext-probe")], parsed_on
         if attempt == "warm":
-            assert not advised
+            assert not advised and not released
             continue
         assert len(advised) < 2 * len(records), advised  # neighbouring ends asked together
         for record in records:
             head, tail = min(record.length, PROBE_BYTES), max(0, record.length - PROBE_BYTES)
-            assert _covered(advised, record.offset, record.offset + head), (record, advised)
-            assert _covered(advised, record.offset + tail, record.offset + record.length), (record, advised)
+            for ranges in (advised, released):
+                assert _covered(ranges, record.offset, record.offset + head), (record, ranges)
+                assert _covered(ranges, record.offset + tail, record.offset + record.length), (record, ranges)
 
 
 def _read_syscalls() -> int:
