@@ -746,7 +746,7 @@ class LocalRangeReader(RangeReader):
         # was parsed from its head; probing further in alone made cold loads slower: that
         # probe's readahead starts away from where the reads begin)
         long = sum(v.nbytes for v in views) > COLD_READ_BYTES
-        step = COLD_READ_BYTES if long and not self._first_step_held(offset) else 0
+        step = COLD_READ_BYTES if long and not self.holds((offset, offset + COLD_READ_BYTES - PROBE_BYTES)) else 0
         total = first = 0  # views[first:] are still to fill
         while first < len(views):
             batch, size = [], 0
@@ -770,19 +770,6 @@ class LocalRangeReader(RangeReader):
                     views[first] = views[first][n:]
                     n = 0
         return total
-
-    def _first_step_held(self, offset: int) -> bool:
-        """Whether the page cache holds the ``COLD_READ_BYTES`` from ``offset``: asked with
-        ``cachestat`` first, and a stretch it holds in part (a stock file whose record ends
-        the load read before their layouts: every 64 KiB record's first and last 4 KiB) is
-        read in steps without probing, where the probes, landing on those ends, said held
-        and the whole run went in one call (0.12 GB cold stock-written, 65.8 -> 59.9 ms).
-        A stretch it holds none of is probed as before: the probes' misses start the
-        kernel's readahead where the reads begin (without them, 43.6 -> 47.3 ms)."""
-        pages = page_cache.cached_pages(self.fd, offset, offset + COLD_READ_BYTES)
-        if pages is not None and pages[0]:
-            return pages[0] >= pages[1]
-        return self.holds((offset, offset + COLD_READ_BYTES - PROBE_BYTES))
 
     def holds(self, offsets: Sequence[int]) -> bool:
         """By a read at each offset that must not wait (``RWF_NOWAIT``); True where the

@@ -57,12 +57,5 @@ def cached(fd: int, start: int, end: int) -> bool | None:
     """Whether every page of bytes ``[start, end)`` of open file ``fd`` is in the page cache."""
     if end <= start:
         return None if _SYSCALL is None else True
-    pages = cached_pages(fd, start, end)
-    return None if pages is None else pages[0] >= pages[1]
-
-
-def cached_pages(fd: int, start: int, end: int) -> tuple[int, int] | None:
-    """(pages the page cache holds, pages) of bytes ``[start, end)`` (``end > start``) of
-    open file ``fd``; None where that cannot be asked."""
     stat = counts(fd, start, end)
-    return None if stat is None else (stat.nr_cache, (end - 1) // PAGE_BYTES - start // PAGE_BYTES + 1)
+    return None if stat is None else stat.nr_cache >= (end - 1) // PAGE_BYTES - start // PAGE_BYTES + 1
