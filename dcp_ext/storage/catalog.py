@@ -192,10 +192,11 @@ class Catalog:
         the GIL); the ends are then dropped from the page cache again (``release``): left
         there, they broke the readahead of the data reads that follow. Where storage takes
         no prefetch, runs of the file's records, the file opened once per run, go to up to
-        ``threads`` threads, so their small reads wait together. Either way the ends are read ``ENDS_BATCH_RECORDS`` records at a time
-        (``RangeReader.fetch``), a record's tail and the next one's head as one span: 590
-        back-to-back records, warm, 1,180 reads of Python-wrapped ``preadv`` (~11 us each)
-        -> 591 ``pread`` calls, parse 32 -> 20 ms."""
+        ``threads`` threads, so their small reads wait together. Either way the ends are
+        read ``ENDS_BATCH_RECORDS`` records at a time (``RangeReader.fetch``), a record's
+        tail and the next one's head as one span: 590 back-to-back records, warm, 1,180
+        reads of Python-wrapped ``preadv`` (~11 us each) -> 591 ``pread`` calls, parse 32
+        -> 20 ms."""
         files: dict[str, list[MetadataIndex]] = {}
         for index in indices:
             files.setdefault(self.item(index).relative_path, []).append(index)
