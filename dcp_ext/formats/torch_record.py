@@ -530,12 +530,11 @@ class _Frame:
     """A parsed record's probed ends with the bytes no parse reads zeroed."""
 
     ends: bytes
-    zeroed: tuple[tuple[int, int], ...]  # ranges of ``ends`` left out of the comparison
     crc_fields: tuple[int, ...]  # central directory CRC-32s that are zeroed (of unread entries)
     parsed: _Parsed
     fixed_crcs: bool  # an entry the parse reads has a CRC-32 (so the record has them)
     data_crc_field: int  # the storage entry's CRC-32 field, one of ``crc_fields``
-    kept: tuple[tuple[int, bytes], ...] = ()  # the bytes compared, where they lie in ``ends``: all but ``zeroed``
+    kept: tuple[tuple[int, bytes], ...] = ()  # the bytes compared, where they lie in ``ends``: all but the zeroed ones
     crc_at: tuple[int, ...] = ()  # where each of ``crc_fields`` lies in ``ends``
 
     @classmethod
@@ -581,7 +580,7 @@ class _Frame:
             at = max(at, hi)
         kept += [(at, ends[at:])] if at < len(ends) else []
         crc_at = tuple(probe.ends_position(field, 4) for field in crc_fields)
-        return cls(ends, zeroed, tuple(crc_fields), parsed, fixed_crcs, data_crc_field, tuple(kept), crc_at)
+        return cls(ends, tuple(crc_fields), parsed, fixed_crcs, data_crc_field, tuple(kept), crc_at)
 
     def key(self) -> bytes | None:
         """The first ``FRAME_KEY_BYTES`` of the ends, which every record it matches begins
