@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, cast
+from typing import IO, Protocol, cast
 
 import crc32c
 import numpy as np
@@ -57,6 +57,11 @@ from dcp_ext.runtime.frozen import replaced
 
 PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and pickle
 SMALL_WRITE = 64 << 10  # below this a write is gathered with its neighbours, not passed on
+# A larger write is checksummed and passed on in pieces of at most this: the file sees a
+# 64 MiB storage's first bytes (and its writer may start them to disk, storage.writeback)
+# before the rest is checksummed. 2 processes, 0.54 GB, one thread each: 257-281 -> 225-229
+# ms a save (4 and 16 MiB alike; checksumming whole, then passing in pieces: 240 ms).
+WRITE_PIECE = 8 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
 _U32 = struct.Struct("<I")
@@ -682,6 +687,12 @@ def check_within_storage(layout: TensorLayout, storage_numel: int, where: str) -
         raise CorruptCheckpointError(f"{where}: tensor view reaches past the end of its storage")
 
 
+class BytesOut(Protocol):
+    """Where a ``RecordSink`` passes its bytes: a binary file, or a wrapper of one."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+
+
 class RecordSink:
     """File wrapper records are written through: tracks position and each record's checksum.
 
@@ -691,7 +702,7 @@ class RecordSink:
     storage, per kind of tensor, for the records of this file.
     """
 
-    def __init__(self, out: IO[bytes], checksums: bool) -> None:
+    def __init__(self, out: BytesOut, checksums: bool) -> None:
         self.out = out
         self.checksums = checksums
         self.frames = RecordFrames(zip_crc=not checksums)  # one checksum per record: ours, or else the zip's
@@ -707,27 +718,28 @@ class RecordSink:
     def write(self, data: bytes | memoryview) -> int:
         """Take one write of the record: checksum it, and gather it or pass it on."""
         view = memoryview(data).cast("B")
-        if self.checksums:
-            self._crc = crc32c.crc32c(view, self._crc)
         if view.nbytes < SMALL_WRITE:
+            self._checksum(view)
             self._pending += view
             if len(self._pending) >= SMALL_WRITE:
                 self.drain()
         else:
             self.drain()
-            self.out.write(view)
+            for start in range(0, view.nbytes, WRITE_PIECE):
+                piece = view[start:start + WRITE_PIECE]
+                self._checksum(piece)
+                self.out.write(piece)
         self.position += view.nbytes
         return view.nbytes
+
+    def _checksum(self, view: memoryview) -> None:
+        if self.checksums:
+            self._crc = crc32c.crc32c(view, self._crc)
 
     @property
     def record_start(self) -> int:
         """Where the current record starts in the file."""
         return self._start
-
-    @property
-    def passed(self) -> int:
-        """Bytes handed to the file so far."""
-        return self.position - len(self._pending)
 
     def drain(self) -> None:
         """Pass the gathered small writes on (the file copies them: the buffer is reused);

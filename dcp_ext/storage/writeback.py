@@ -45,22 +45,25 @@ _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start writing the range's dirty pages, wait
 
 
 class EarlyWriteback:
-    """Tracks how far a file has been written and starts writeback every ``stretch`` bytes."""
+    """A file's writes passed through: once ``stretch`` bytes are passed since the last
+    stretch was queued, their writeback starts."""
 
     def __init__(self, out: IO[bytes], stretch: int = WRITEBACK_BYTES):
         self.out = out
         self.fd = out.fileno()
         self.stretch: float = stretch
+        self.position = 0  # bytes passed to the file
         self.started = 0  # bytes before this offset are queued for writeback
 
-    def written(self, position: int) -> None:
-        """The file holds ``position`` bytes: queue what has not been queued, if enough."""
-        if position - self.started < self.stretch:
-            return
-        self.out.flush()  # the bytes still in the Python buffer must reach the page cache first
-        if _SYNC_FILE_RANGE(self.fd, self.started, position - self.started, _WRITE) != 0:
-            self.stretch = float("inf")  # a file system that refuses it is written back at the fsync
-        self.started = position
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        written = self.out.write(data)
+        self.position += written
+        if self.position - self.started >= self.stretch:
+            self.out.flush()  # the bytes still in the Python buffer must reach the page cache first
+            if _SYNC_FILE_RANGE(self.fd, self.started, self.position - self.started, _WRITE) != 0:
+                self.stretch = float("inf")  # a file system that refuses it is written back at the fsync
+            self.started = self.position
+        return written
 
 
 def early_writeback(out: IO[bytes]) -> EarlyWriteback | None:

@@ -419,9 +419,9 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
     ) -> list[WriteResult]:
         results = []
         with self.location.create(name, sync, needed=sum(map(item_nbytes, items))) as out:
-            sink = RecordSink(out, self.checksums)
             # a local file to be fsynced goes to disk while later records are serialized
             writeback = early_writeback(out) if self.sync_files and self.location.is_local else None
+            sink = RecordSink(out if writeback is None else writeback, self.checksums)
             for n, item in enumerate(items):
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -430,8 +430,6 @@ class ShardWriter(AsyncStagingMixin, StorageWriter):
                     where = f"{self.location.url}/{name} key {item.index.fqn!r}"
                     stored = write_tensor(sink, name, data, where, self.transform, copies.copy_out)
                 results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
-                if writeback is not None:
-                    writeback.written(sink.passed)
                 if n == 0:  # the file holds its first record (an environment lookup a record added ~1 us)
                     crash_point("mid-file")
             sink.drain()

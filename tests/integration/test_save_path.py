@@ -11,6 +11,7 @@ import re
 import sys
 import threading
 
+import crc32c
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardSavePlanner, ShardWriter
 from dcp_ext.errors import ChecksumMismatchError, InvalidRequestError
 from dcp_ext.formats.index import INDEX_NAME
-from dcp_ext.formats.torch_record import RecordSink, parse_tensor_record, write_device_tensor, write_tensor
+from dcp_ext.formats.torch_record import WRITE_PIECE, RecordSink, parse_tensor_record, write_device_tensor, write_tensor
 from dcp_ext.storage.device_staging import HostCopies
 from dcp_ext.storage.verify import verify_checkpoint
 from dcp_ext.storage.commit import TEMP_FILE
@@ -211,11 +212,9 @@ def test_early_writeback_queues_each_stretch_once(tmp_path):
     pieces = [bytes([n]) * size for n, size in enumerate((1000, 5000, 100, 3000, 9000), start=1)]
     with open(target, "wb", buffering=1 << 20) as out:
         writeback = EarlyWriteback(out, stretch=4096)
-        queued, position = [], 0
+        queued = []
         for piece in pieces:
-            out.write(piece)
-            position += len(piece)
-            writeback.written(position)
+            assert writeback.write(piece) == len(piece)
             queued.append(writeback.started)
     assert queued == [0, 6000, 6000, 6000, 18100]  # queued once 4096 bytes are pending
     assert target.read_bytes() == b"".join(pieces)
@@ -251,8 +250,7 @@ def test_early_writeback_starts_the_disk_writes_of_each_stretch(tmp_path):
         if writeback is None:
             pytest.skip("no sync_file_range here (not Linux)")
         for end in range(1 << 20, len(data) + 1, 1 << 20):
-            out.write(data[end - (1 << 20):end])
-            writeback.written(end)
+            writeback.write(data[end - (1 << 20):end])
         out.flush()
         queued = page_cache.counts(out.fileno(), 0, writeback.started)
         rest = page_cache.counts(out.fileno(), writeback.started, len(data))
@@ -261,6 +259,39 @@ def test_early_writeback_starts_the_disk_writes_of_each_stretch(tmp_path):
     assert writeback.started == WRITEBACK_BYTES
     assert queued.nr_dirty == 0 and queued.nr_cache == WRITEBACK_BYTES // os.sysconf("SC_PAGE_SIZE"), (queued.nr_dirty, queued.nr_cache)
     assert rest.nr_dirty == rest.nr_cache > 0  # the last stretch waits for the fsync
+
+
+class _NotedWriteback(EarlyWriteback):
+    """Notes each write's size and how far writeback was queued after it."""
+
+    def __init__(self, out: io.BufferedWriter, stretch: int):
+        super().__init__(out, stretch)
+        self.noted: list[tuple[int, int]] = []
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        written = super().write(data)
+        self.noted.append((written, self.started))
+        return written
+
+
+def test_a_large_record_goes_to_disk_piece_by_piece(tmp_path):
+    """A storage larger than ``WRITE_PIECE`` reaches the file in checksummed pieces, so its
+    first pieces are queued for writeback while the rest is still being checksummed (passed
+    whole, a 64 MiB storage kept the disk idle until all of it was checksummed and copied)."""
+    tensor = torch.randn(5 * WRITE_PIECE // 8, generator=torch.Generator().manual_seed(5))  # 2.5 pieces
+    with open(tmp_path / "file", "wb", buffering=1 << 20) as out:
+        writeback = _NotedWriteback(out, stretch=WRITE_PIECE)
+        sink = RecordSink(writeback, checksums=True)
+        stored = write_tensor(sink, "file", tensor, "t")
+        sink.drain()
+    sizes, queued = zip(*writeback.noted)
+    assert max(sizes) <= WRITE_PIECE
+    within = sorted({end for end in queued if 0 < end < stored.length})
+    assert len(within) >= 2, writeback.noted  # writeback queued twice before the record's end
+    record = (tmp_path / "file").read_bytes()
+    assert stored.offset == 0 and stored.length == len(record)
+    assert stored.checksum == crc32c.crc32c(record)
+    assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), tensor)
 
 
 def test_early_writeback_needs_a_real_file():
