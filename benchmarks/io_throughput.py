@@ -12,7 +12,8 @@ Measures, on a deterministic state dict of mixed tensor sizes (default ~1 GiB):
     ``ShardSavePlanner`` (checksums and atomic commit on) versus the raw ceiling at equal
     thread counts: the same bytes written by T threads into T files with fsync ("raw"), and
     that plus the CRC32C pass our records need ("raw+crc"; they carry no zip CRC-32, which
-    stock's records pay for), all interleaved; CPU seconds of each; and ``dcp.save``'s own
+    stock's records pay for), all interleaved after one unmeasured round; CPU seconds of
+    each; and ``dcp.save``'s own
     floor: a save through a writer that writes nothing (``NoWriteWriter``);
 (c) loads into preallocated tensors: stock ``FileSystemReader`` (DCP's default planner) versus
     ``ShardReader`` with ``ShardLoadPlanner`` (the documented pairing), cold
@@ -579,7 +580,11 @@ def measure_saves(cfg: Config, group: Group, state: dict[str, torch.Tensor]) -> 
     kinds = (*SAVE_CEILINGS, *WRITERS)
     for threads in cfg.threads:
         samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
-        for kind in kinds if cfg.same_dir else ():  # each measured save then replaces one
+        # an unmeasured round first: the first saves after the state is built ran 1.5-3x
+        # slower, their writes held to the disk's speed after the first ~40 MB (8 MiB writes
+        # of ~16 ms instead of ~2; a 3 s pause, or any earlier save, left them fast), and
+        # with --same-dir each measured save then replaces one
+        for kind in kinds:
             save_sample(cfg, group, kind, threads, cfg.ckpt(f"ckpt_{kind}"), state)
         for rep in range(cfg.repeat):
             for kind in kinds[:: -1 if rep % 2 else 1]:

@@ -41,6 +41,7 @@ from dcp_ext.observe import PhaseClock
 from dcp_ext.planning.dedup import Cuts, boundaries, partially_overlap, refine_items
 from dcp_ext.planning.plan_table import PlanTable, TensorFacts, items_from_table, table_from_items
 from dcp_ext.planning.replica_check import ChunkKey, ReplicaMismatchError, is_alone_mark, mismatch_message
+from dcp_ext.runtime.arrays import mixed_words, unique
 
 if TYPE_CHECKING:
     from dcp_ext.planning.replica_units import ReplicaUnits
@@ -537,7 +538,7 @@ def _tiles(off: np.ndarray, size: np.ndarray, shape: tuple[int, ...]) -> bool:
         return False
     cells = 1
     for d, extent in enumerate(shape):
-        code = np.unique(off[:, d] * (extent + 1) + size[:, d])
+        code = unique(off[:, d] * (extent + 1) + size[:, d])
         starts, lengths = code // (extent + 1), code % (extent + 1)
         ends = starts + lengths
         if starts[0] != 0 or ends[-1] != extent or np.any(starts[1:] != ends[:-1]):
@@ -595,7 +596,7 @@ def check_replicas(structure: _Structure, digests: Sequence[np.ndarray | None], 
             bad_rows.append(base[group] + bad)
     conflicted = [_boxes_of_rows(boxes, np.concatenate(bad_rows))] if any(len(b) for b in bad_rows) else []
     conflicted.append(_disagreeing_boxes(structure.shared, [per_rank[m[0]].view(np.uint64) for m in groups.members]))
-    found = np.unique(np.concatenate(conflicted))
+    found = unique(np.concatenate(conflicted))
     if len(found):
         raise ReplicaMismatchError(mismatch_message([_versions(structure, per_rank, int(b)) for b in found], len(found), mesh))
 
@@ -676,7 +677,7 @@ def holder_classes(groups: _Groups, rows: _Rows, boxes: _Boxes) -> _Classes:
     of_box[single] = rows.gid[boxes.order[boxes.starts[single]]]
     shared = np.flatnonzero(holders > 1)
     first = _first_with_same_holders(shared, holders, _HolderRuns(rows, boxes), len(groups.tables))
-    firsts = np.unique(first)
+    firsts = unique(first)
     of_box[shared] = len(groups.members) + np.searchsorted(firsts, first)
     members = list(groups.members)
     held_by = [np.array([g]) for g in range(len(groups.tables))]
@@ -765,8 +766,8 @@ class _HolderRuns:
 def _first_with_same_holders(shared: np.ndarray, holders: np.ndarray, runs: _HolderRuns, ngroups: int) -> np.ndarray:
     """For each box in ``shared`` (ascending), the first shared box held by the same groups.
 
-    Boxes are bucketed by (holder count, a 64-bit sum of random words of the holders), and
-    each box's holders compared with its bucket's first box's; boxes that differ (a hash
+    Boxes are bucketed by (holder count, a 64-bit sum of well-mixed words of the holders),
+    and each box's holders compared with its bucket's first box's; boxes that differ (a hash
     collision) go round again, so a collision costs a pass, never a wrong class. A Python
     tuple per shared box took seconds at 16,384 pure-FSDP ranks.
     """
@@ -790,7 +791,7 @@ def _first_with_same_holders(shared: np.ndarray, holders: np.ndarray, runs: _Hol
 
 
 def _holder_words(ngroups: int) -> np.ndarray:
-    return np.random.default_rng(0x5EED).integers(0, 2**63, ngroups, dtype=np.uint64)
+    return mixed_words(ngroups)
 
 
 def _same_holders(box: np.ndarray, other: np.ndarray, runs: _HolderRuns) -> np.ndarray:
@@ -849,7 +850,7 @@ def _replica_copies(
     bounds = np.searchsorted(classes.of_box[by_class], np.arange(len(classes.members) + 1))
     for cls, members in enumerate(classes.members):
         coords = tp[members]
-        present = np.unique(coords[coords != NO_TP])
+        present = unique(coords[coords != NO_TP])
         if len(present) < 2:
             continue
         in_class = by_class[bounds[cls] : bounds[cls + 1]]

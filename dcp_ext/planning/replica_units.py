@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dcp_ext.planning.global_plan import GlobalPlan
 from dcp_ext.planning.replica_check import ReplicaMismatchError, mismatch_message
+from dcp_ext.runtime.arrays import unique
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,7 +84,7 @@ def check_units(plan: GlobalPlan, hashes: Sequence[np.ndarray], mesh: DeviceMesh
     classes, ranks, values = classes[order], ranks[order], values[order]
     first = np.flatnonzero(np.diff(classes, prepend=-1))
     reference = values[np.repeat(first, np.diff(np.append(first, len(classes))))]
-    bad = np.unique(classes[np.any(values != reference, axis=1)])
+    bad = unique(classes[np.any(values != reference, axis=1)])
     if not len(bad):
         return
     conflicts = []
