@@ -661,7 +661,7 @@ def measure_loads(
     still over a round); cold, raw reads just before each load, because this machine's disk
     does not: one 1.07 GB raw cold read took 0.30 s in one round and 1.26 s in another, and
     over one round of four loads it moved too. All raw reads go to ``[mode]["raw"]`` and
-    ``[mode]["raw_parallel"]``.
+    ``[mode]["raw_parallel"]``. Cold loads follow one unmeasured round of them.
 
     The first repeat of each case loads into zeroed tensors and is verified.
     """
@@ -676,6 +676,14 @@ def measure_loads(
         paired: dict[tuple[str, str], list[tuple[float, float]]] = {case: [] for case in samples}  # each load's raw reads
         raw_s: list[tuple[float, float]] = []  # (sequential, parallel)
         verified: dict[tuple[str, str], bool] = {}
+        # cold, an unmeasured round first: this VM's disk reads slowest in the seconds after
+        # the saves that wrote the checkpoints (a fresh 0.12 GB checkpoint's first cold loads:
+        # 142 and 88 ms, then 41-48; raw reads there spike to 77-152 too)
+        for label, kind in samples if cold else ():
+            if raw is not None:
+                raw.read(cold=True)
+                raw.read(cold=True, parallel=True)
+            load_once(cfg, group, kind, ckpts[label], dst, cold=True)
         for rep in range(repeat):
             if raw is not None and not cold:
                 raw_s.append((raw.read(cold=False), raw.read(cold=False, parallel=True)))
