@@ -698,8 +698,9 @@ class RecordSink:
 
     Small writes (zip headers, pickles, small records) are checksummed as they come and
     gathered, across records, into writes of at least ``SMALL_WRITE`` bytes; ``drain``
-    passes on the rest. ``frames`` keeps the bytes ``torch.save`` writes around a tensor's
-    storage, per kind of tensor, for the records of this file.
+    passes on the rest. Larger ones are checksummed and passed on ``WRITE_PIECE`` bytes at
+    a time. ``frames`` keeps the bytes ``torch.save`` writes around a tensor's storage, per
+    kind of tensor, for the records of this file.
     """
 
     def __init__(self, out: BytesOut, checksums: bool) -> None:
