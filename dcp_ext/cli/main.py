@@ -32,8 +32,14 @@ INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by
 ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's, on every step
 
 
+DESCRIPTION = (
+    "Inspect, verify or convert a checkpoint dcp_ext reads (DCP, Megatron torch_dist, zarr or legacy, "
+    "Hugging Face safetensors), or run a multi-process save and resharded load on CPU (demo)."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-ext", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dcp-ext", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in _COMMANDS.items():
