@@ -265,9 +265,10 @@ def _stats(path) -> dict[str, tuple[int, int, int]]:
     return {n: (s.st_size, s.st_mtime_ns, s.st_ino) for n in STAT_NAMES for s in [os.stat(os.path.join(path, n))]}
 
 
-def _save_same_sizes(state: dict, path, like: dict[str, tuple[int, int, int]], tries: int = 50) -> None:
+def _save_same_sizes(state: dict, path, like: dict[str, tuple[int, int, int]], tries: int = 200) -> None:
     """Save ``state`` into ``path`` until its metadata files have the sizes in ``like`` (the
-    CRCs in the marker and index vary in length from save to save)."""
+    CRCs in the marker and index vary in length from save to save; with 50 tries the test
+    skipped in two CI runs of five, and in one of four runs of this file beside test_s3)."""
     for _ in range(tries):
         save(state, path)
         if all(_stats(path)[n][0] == like[n][0] for n in STAT_NAMES):
