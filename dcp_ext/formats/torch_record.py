@@ -59,8 +59,9 @@ PROBE_BYTES = 4096  # head and tail of a record: enough for its zip headers and 
 SMALL_WRITE = 64 << 10  # below this a write is gathered with its neighbours, not passed on
 # A larger write is checksummed and passed on in pieces of at most this: the file sees a
 # 64 MiB storage's first bytes (and its writer may start them to disk, storage.writeback)
-# before the rest is checksummed. 2 processes, 0.54 GB, one thread each: 257-281 -> 225-229
-# ms a save (4 and 16 MiB alike; checksumming whole, then passing in pieces: 240 ms).
+# before the rest is checksummed. 2 processes, 0.54 GB, one thread each, four A/B runs:
+# 257-284 -> 225-237 ms a save (4 and 16 MiB alike; checksumming whole, then passing in
+# pieces: 240 ms).
 WRITE_PIECE = 8 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = 0x04034B50
