@@ -6,7 +6,8 @@ runs ``fn(rank, world_size, *args)`` on every rank, tears the group down and
 returns the list of per-rank return values.  A worker exception fails the
 calling test with the failing rank and its full traceback text (other ranks'
 tracebacks follow); a job that outlives ``timeout`` seconds is killed and
-raises ``TimeoutError``.
+raises ``TimeoutError``. A job whose gloo group fails to form before any rank runs
+``fn`` (a rare loopback flake of gloo's full-mesh setup) is started once more.
 
 Rendezvous: the test process hosts the job's TCPStore on 127.0.0.1 port 0, so
 the kernel picks a free port atomically (no pick-then-bind race with other
@@ -104,9 +105,15 @@ def _worker(
     pg_timeout = datetime.timedelta(seconds=max(5.0, timeout))
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=pg_timeout)
-        dist.init_process_group(
-            backend="gloo", store=store, rank=rank, world_size=world_size, timeout=pg_timeout
-        )
+        try:
+            dist.init_process_group(
+                backend="gloo", store=store, rank=rank, world_size=world_size, timeout=pg_timeout
+            )
+        except RuntimeError as exc:
+            if _GLOO_SETUP_FLAKE in str(exc):
+                open(os.path.join(result_dir, f"setup_failed_{rank}"), "w").close()
+            raise
+        open(os.path.join(result_dir, f"started_{rank}"), "w").close()
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -144,13 +151,32 @@ def _collect_errors(result_dir: str, world_size: int, first: int | None = None) 
 def run_job(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
-    Returns ``[return value of rank 0, rank 1, ...]``.
+    Returns ``[return value of rank 0, rank 1, ...]``. A job whose gloo group could not be
+    set up (``_GLOO_SETUP_FLAKE``), before any rank ran ``fn``, is started once more.
     """
     __tracebackhide__ = True
     if not running_test_has_mp_mark:
         raise AssertionError(MISSING_MP_MARK)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        return _run_job_once(fn, world_size, args, timeout)
+    except _SetupFlake:
+        return _run_job_once(fn, world_size, args, timeout, retry=False)
+
+
+# gloo's full-mesh setup now and then sees a peer's connection closed on loopback (pytorch
+# #53270: "Connection closed by peer [127.0.0.1]" from ProcessGroupGloo's constructor),
+# before any rank has run a line of the job
+_GLOO_SETUP_FLAKE = "Gloo connectFullMesh failed"
+
+
+class _SetupFlake(Exception):
+    """The job's gloo group failed to form, as ``_GLOO_SETUP_FLAKE`` says, and no rank started ``fn``."""
+
+
+def _run_job_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, retry: bool = True) -> list:
+    __tracebackhide__ = True
     name = getattr(fn, "__qualname__", repr(fn))
     # The rendezvous store lives in this process and binds port 0, so the
     # kernel hands out a free 127.0.0.1 port with no pick-then-bind race
@@ -183,6 +209,9 @@ def run_job(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float 
                         + (f"\nworker errors so far:\n{errors}" if errors else "")
                     )
         except ProcessException as exc:
+            names = os.listdir(result_dir)
+            if retry and any(n.startswith("setup_failed_") for n in names) and not any(n.startswith("started_") for n in names):
+                raise _SetupFlake() from None
             detail = _collect_errors(result_dir, world_size, exc.error_index)
             if f"--- rank {exc.error_index} of" not in detail:
                 # Died without a Python exception (signal, os._exit, ...).
