@@ -161,7 +161,7 @@ _ORIGINS: dict[int, torch.Size] = {}
 
 
 def _origin(ndim: int) -> torch.Size:
-    """``torch.Size([0] * ndim)``, one per rank count (sizes are immutable)."""
+    """``torch.Size([0] * ndim)``, one object per number of dimensions (a size is immutable)."""
     origin = _ORIGINS.get(ndim)
     if origin is None:
         origin = _ORIGINS[ndim] = torch.Size([0] * ndim)
