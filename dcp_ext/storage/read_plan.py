@@ -253,16 +253,14 @@ def tensor_requests(
     staging when ``dest`` is off the CPU (``staged`` forces it for a CPU ``dest``: tests)."""
     if numel(box_lengths) == 0:
         return []
-    device = dest.device if staged or not dest.is_cpu else None
-    base = item.offset + layout.payload_offset
-    whole = device is None and not verify and box_lengths == layout.shape and layout.is_row_major()
-    if whole and lands_straight(dest, layout.dtype):  # the common case, kept cheap
-        start = base + layout.storage_offset * layout.dtype.itemsize
+    start = None if staged else straight_start(item, layout, box_lengths, dest, verify)
+    if start is not None:  # the common case, kept cheap
         if layout.conj or layout.neg:  # resolved once every byte has landed: one request
             resolve = lambda: layout.resolve_in_place(dest)  # noqa: E731
             return [Request(item.relative_path, key, [(start, dest.nbytes)], lambda: [tensor_bytes(dest)], resolve)]
         return straight_requests(item.relative_path, key, start, dest)
-    box = BoxRead(item.relative_path, key, layout, base, box_offsets, box_lengths, dest, device)
+    device = dest.device if staged or not dest.is_cpu else None
+    box = BoxRead(item.relative_path, key, layout, item.offset + layout.payload_offset, box_offsets, box_lengths, dest, device)
     if verify:
         if item.checksum is None and layout.payload_crc32 is None:
             raise InvalidRequestError(
@@ -275,6 +273,16 @@ def tensor_requests(
         return [_strided_request(box)]
     view = replace(box, base=box.base + layout.storage_offset * layout.dtype.itemsize)  # the view's first byte
     return [_dense_request(slab) for slab in _slabs(view)]
+
+
+def straight_start(item: StoredItem, layout: TensorLayout, box_lengths: tuple[int, ...], dest: torch.Tensor, verify: bool) -> int | None:
+    """Where in its file the stored chunk ``item`` begins when the box ``box_lengths`` is
+    all of it and its bytes land in ``dest`` as they are (one row-major run, no checksum
+    to take on the way, ``lands_straight``): the place to read it straight from. None
+    otherwise. A record's math bits (``layout.conj``, ``neg``) are the caller's to resolve."""
+    if verify or box_lengths != layout.shape or not layout.is_row_major() or not lands_straight(dest, layout.dtype):
+        return None
+    return item.offset + layout.payload_offset + layout.storage_offset * layout.dtype.itemsize
 
 
 def lands_straight(dest: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -50,6 +50,7 @@ from dcp_ext.storage.read_plan import (
     copy_record_box,
     lands_straight,
     raise_if_corrupt,
+    straight_start,
     tensor_requests,
     whole_record_request,
 )
@@ -429,11 +430,11 @@ class ShardReader(StorageReader):
                 if landing is not None:
                     yield from straight.add(direct.reads.fqn(direct.pieces[i - count]), records[i].payload_offset, landing)
                     continue
-                yield from straight.flush()  # the requests stay in file order
                 if i < count:
-                    yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits)
-                else:
-                    yield from self._direct_requests(direct, i - count)
+                    yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits, straight)
+                    continue
+                yield from straight.flush()  # the requests stay in file order
+                yield from self._direct_requests(direct, i - count)
             yield from straight.flush()
 
     def _in_memory(self, records: list[StoredItem]) -> bool:
@@ -669,27 +670,29 @@ class ShardReader(StorageReader):
         layout: TensorLayout | None,
         planner: LoadPlanner,
         commits: list[Callable[[], None]],
-    ) -> list[Request]:
+        straight: StraightRecords,
+    ) -> Iterable[Request]:
+        """The requests of a plan item, in file order after those ``straight`` holds; a
+        whole record that lands as it is in memory of its own (most of a stock checkpoint's)
+        joins ``straight`` (one request for tens of records, as direct pieces do): a warm
+        load of 1,180 stock records 91.9 -> 89.4 and 95.3 -> 93.6 ms (alternating)."""
         index = read_item.storage_index
         if catalog.inline and index in catalog.inline:  # a bytes item the format synthesized: nothing to read
             data = catalog.inline[index]
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(data)))
-            return []
+            return ()
         where = self._where(stored.relative_path, index.fqn)
         if layout is None:  # a bytes item, a transformed record, a stock one on a networked store (``_layouts``)
-            return [self._plan_whole_record(stored, read_item, planner, where, commits)]
+            return [*straight.flush(), self._plan_whole_record(stored, read_item, planner, where, commits)]
         dest = self._destination(read_item, planner, where)
         commits.append(lambda: planner.commit_tensor(read_item, dest))
-        return tensor_requests(
-            stored,
-            layout,
-            tuple(read_item.storage_offsets),
-            tuple(read_item.lengths),
-            dest,
-            index.fqn,
-            where,
-            self.verify_checksums,
-        )
+        lengths = tuple(read_item.lengths)
+        start = straight_start(stored, layout, lengths, dest, self.verify_checksums)
+        if start is not None and not (layout.conj or layout.neg) and dest.nbytes <= SLAB_BYTES:
+            return straight.add(index.fqn, start, dest)
+        return [*straight.flush(), *tensor_requests(
+            stored, layout, tuple(read_item.storage_offsets), lengths, dest, index.fqn, where, self.verify_checksums
+        )]
 
     def _plan_whole_record(
         self, stored: StoredItem, read_item: ReadItem, planner: LoadPlanner, where: str, commits: list[Callable[[], None]]

@@ -332,3 +332,24 @@ def test_records_on_a_store_that_takes_no_prefetch_are_probed_on_several_threads
         fsspec.filesystem("memory").rm(root, recursive=True)
     assert len(parsed_on) == sum(v.numel() > 0 for v in state.values())
     assert all(name.startswith("dcp_ext-probe") for name in parsed_on), parsed_on
+
+
+def test_whole_stock_records_are_read_in_shared_requests_bit_exact(tmp_path, monkeypatch):
+    """A stock file's records that land as they are in their destinations (most of them)
+    are read as one request per run of neighbours (``StraightRecords``), as our own
+    checkpoint's direct pieces are; a conjugated view (its bit resolved after the read)
+    and a strided view each keep a request of their own. Every destination lands bit-exact."""
+    state = {f"w{n}": torch.randn(32, 16 + n) for n in range(40)}
+    state["conj"] = torch.randn(4, 4, dtype=torch.complex64).conj()
+    state["transposed"] = torch.randn(12, 10).t()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    from dcp_ext.storage import executors
+
+    handed: list = []
+    real_file_tasks = executors.file_tasks
+    monkeypatch.setattr(executors, "file_tasks", lambda requests, limit: real_file_tasks(handed.extend(requests) or handed, limit))
+    dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
+    dcp.load(dst, storage_reader=ShardReader(tmp_path, cache_metadata=False), planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in state.items():
+        assert torch.equal(dst[key].resolve_conj(), want.resolve_conj()), key
+    assert len(handed) <= 4, [(r.key, len(r.ranges)) for r in handed]  # the 40 records in one or two, the views alone
