@@ -26,6 +26,7 @@ from dcp_ext import ShardLoadPlanner, ShardReader
 from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats import torch_record
 from dcp_ext.formats.torch_record import PROBE_BYTES, RecordLayouts, _save_record, parse_tensor_record, probed_ranges
+from dcp_ext.storage import executors
 from dcp_ext.storage import location as location_module
 from dcp_ext.storage.location import LocalRangeReader
 
@@ -343,11 +344,14 @@ def test_whole_stock_records_are_read_in_shared_requests_bit_exact(tmp_path, mon
     state["conj"] = torch.randn(4, 4, dtype=torch.complex64).conj()
     state["transposed"] = torch.randn(12, 10).t()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
-    from dcp_ext.storage import executors
-
-    handed: list = []
+    handed: list = []  # the requests the reader hands its executor
     real_file_tasks = executors.file_tasks
-    monkeypatch.setattr(executors, "file_tasks", lambda requests, limit: real_file_tasks(handed.extend(requests) or handed, limit))
+
+    def noted(requests, limit):
+        handed.extend(requests)
+        return real_file_tasks(handed, limit)
+
+    monkeypatch.setattr(executors, "file_tasks", noted)
     dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
     dcp.load(dst, storage_reader=ShardReader(tmp_path, cache_metadata=False), planner=ShardLoadPlanner(), no_dist=True)
     for key, want in state.items():
