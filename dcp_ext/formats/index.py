@@ -816,6 +816,18 @@ class IndexedKeys(ChunkListsOnDemand):
         return (k, int(rows[0])) if len(rows) else None
 
 
+@dataclass(frozen=True, eq=False)
+class RowLocations:
+    """Where some index rows are stored, a numpy column each (``IndexedItems.locations``)."""
+
+    file: np.ndarray  # code of the data file (``IndexedItems.file_name``)
+    offset: np.ndarray  # the record's first byte in its file
+    length: np.ndarray
+    payload: np.ndarray  # the tensor bytes' first byte in the file (-1: unknown)
+    transformed: np.ndarray  # stored through stream transforms (compressed): read whole
+    has_checksum: np.ndarray  # a CRC32C of the record is recorded
+
+
 class IndexedItems(Mapping[MetadataIndex, StoredItem]):
     """The canonical stored items of an index load, {MetadataIndex: StoredItem}, read from
     the index columns: a lookup finds its row among its key's rows (numpy) and builds the
@@ -858,12 +870,19 @@ class IndexedItems(Mapping[MetadataIndex, StoredItem]):
         made = self._made
         return [made[row] if row >= 0 else None if row == -1 else self.get(index) for index, row in zip(indices, found)]
 
-    def items_at(self, rows: list[int], fqns: list[str]) -> list[StoredItem]:
-        """The items of index rows ``rows`` (checked rows of keys ``fqns``, as
-        ``stacked_boxes`` gives them): no lookup at all."""
-        self._make(dict(zip(rows, fqns)))
-        made = self._made
-        return [made[row] for row in rows]
+    def locations(self, rows: np.ndarray) -> RowLocations:
+        """Where index rows ``rows`` (checked rows, as ``stacked_boxes`` gives them) are
+        stored, as columns: a load of hundreds of pieces looks at them all at once
+        instead of building a StoredItem per piece (``row_item`` builds one on demand)."""
+        cols = self._cols
+        return RowLocations(
+            cols.file[rows], cols.offset[rows], cols.length[rows], cols.payload[rows], cols.transforms[rows] >= 0,
+            cols.has_checksum[rows],
+        )
+
+    def file_name(self, code: int, fqn: str) -> str:
+        """The name of data file ``code`` of ``RowLocations.file`` (a row of key ``fqn`` uses it)."""
+        return self._cols.file_names.name(code, fqn)
 
     def _make(self, fqn_of: dict[int, str]) -> None:
         """Build the items of rows ``fqn_of`` (of keys ``fqn_of[row]``) not built yet, from

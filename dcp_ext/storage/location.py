@@ -745,23 +745,31 @@ class LocalRangeReader(RangeReader):
         # page cache lacks (the start of a stock-written record is cached once its layout
         # was parsed from its head; probing further in alone made cold loads slower: that
         # probe's readahead starts away from where the reads begin)
-        long = sum(v.nbytes for v in views) > COLD_READ_BYTES
-        step = COLD_READ_BYTES if long and not self.holds((offset, offset + COLD_READ_BYTES - PROBE_BYTES)) else 0
+        nbytes = sum(v.nbytes for v in views)
+        step = COLD_READ_BYTES if nbytes > COLD_READ_BYTES and not self.holds((offset, offset + COLD_READ_BYTES - PROBE_BYTES)) else 0
         total = first = 0  # views[first:] are still to fill
         while first < len(views):
-            batch, size = [], 0
-            for view in itertools.islice(views, first, first + IOV_MAX):
-                if step and size + view.nbytes > step:  # a cold read: COLD_READ_BYTES at a time
-                    if size < step:
-                        batch.append(view[: step - size])
-                    break
-                batch.append(view)
-                size += view.nbytes
+            if not step:  # the page cache holds the start: IOV_MAX buffers a call, none looked at
+                batch = views[first : first + IOV_MAX]
+            else:
+                batch, size = [], 0
+                for view in itertools.islice(views, first, first + IOV_MAX):
+                    if step and size + view.nbytes > step:  # a cold read: COLD_READ_BYTES at a time
+                        if size < step:
+                            batch.append(view[: step - size])
+                        break
+                    batch.append(view)
+                    size += view.nbytes
             n = os.preadv(self.fd, batch, offset)
             if n == 0:
                 raise self._ended_early(offset)
             total += n
             offset += n
+            if total == nbytes:
+                return total
+            if not step and n == sum(v.nbytes for v in batch):
+                first += len(batch)
+                continue
             while n:  # the views the call filled, the last one maybe in part
                 if views[first].nbytes <= n:
                     n -= views[first].nbytes

@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
-from itertools import chain, groupby
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -36,6 +36,7 @@ from dcp_ext.runtime.threads import cores_per_rank, io_thread_count
 from dcp_ext.storage.bytes_guard import SafeBytesPlanner
 from dcp_ext.storage.catalog import METADATA_CACHE, METADATA_NAME, Catalog, rank_metadata_name, read_rank_catalog
 from dcp_ext.storage.catalog_formats import FORMATS, open_catalog, replaced_since_read, with_views
+from dcp_ext.storage.direct_pieces import DirectPieces, FileSpan, direct_pieces, record_spans
 from dcp_ext.storage.executors import (
     DEFAULT_BUDGET_BYTES,
     EXECUTORS,
@@ -48,7 +49,6 @@ from dcp_ext.storage.read_plan import (
     Request,
     StraightRecords,
     copy_record_box,
-    lands_straight,
     raise_if_corrupt,
     straight_start,
     tensor_requests,
@@ -303,10 +303,8 @@ class ShardReader(StorageReader):
             items, direct = self._direct_pieces(catalog, plan)
             stored = self._stored(catalog, [item.storage_index for item in items])
             self._check_destinations_filled(catalog, items, direct, planned_by)
-            self._check_files(chain(
-                ((item.storage_index.fqn, record) for item, record in zip(items, stored)),
-                ((direct.reads.fqn(piece), record) for piece, record in zip(direct.pieces, direct.records)),
-            ))
+            spans = record_spans(((item.storage_index.fqn, record) for item, record in zip(items, stored)), dict(direct.spans))
+            self._check_files(spans)
             requests: Iterable[Request] = self._requests(catalog, items, stored, direct, planner, commits)
             if executor.collective:  # planned whole first, so that a failure can be shared
                 requests = list(requests)
@@ -314,47 +312,30 @@ class ShardReader(StorageReader):
             if executor.collective:  # every rank must join, which shares the failure
                 executor.run([], identity, planning_error=exc)  # raises it on every rank
             raise
-        records = stored + direct.records
         bytes_read, files = executor.run(
             requests,
             identity,
-            expected_bytes=sum(record.length for record in records),
-            expected_files=len({record.relative_path for record in records}),
-            in_memory=not self.two_stage and self._in_memory(records),
+            expected_bytes=sum(record.length for record in stored) + direct.nbytes,
+            expected_files=len(spans),
+            in_memory=not self.two_stage and self._in_memory(spans),
         )
         self.clock.add("exchange", executor.seconds)
         self.stats.bytes_received += executor.bytes_received
         for commit_item in commits:
             commit_item()
-        return self._finish_read(len(records), bytes_read, files, started)
+        return self._finish_read(len(stored) + len(direct), bytes_read, files, started)
 
     def _direct_pieces(self, catalog: Catalog, plan: LoadPlan) -> tuple[list[ReadItem], DirectPieces]:
         """The plan's ReadItems, and the pieces of its columns (``read_columns``) read
-        without one: those whose record's layout the index gives (no parse, no decode, a
-        CRC32C where checksums are verified) and whose memory the planner handed over.
-        Any other piece becomes a ReadItem, as do all of columns made from another index."""
+        without one (``direct_pieces``). Any other piece becomes a ReadItem, as do all of
+        columns made from another index."""
         reads = plan.planner_data
         if not isinstance(reads, TensorReads):
             return list(plan.items), DirectPieces.none()
         if reads.keys is not catalog.metadata.state_dict_metadata or not isinstance(catalog.items, IndexedItems):
             return list(plan.items) + reads.read_items(), DirectPieces.none()
-        records = catalog.items.items_at(reads.rows, [reads.fqns[shard] for shard in reads.shard])
-        items = list(plan.items)
-        direct = DirectPieces(reads, [], [], [])
-        verify = self.verify_checksums
-        for piece, record in enumerate(records):
-            shard = reads.shard[piece]
-            landing = reads.landings[shard]
-            if landing is None or record.payload_offset < 0 or record.transforms or (verify and record.checksum is None):
-                items.append(reads.read_item(piece))
-                continue
-            direct.pieces.append(piece)
-            direct.records.append(record)
-            # a whole chunk filling a whole shard of host memory (most pieces): no layout to build
-            straight = not verify and landing.nbytes <= SLAB_BYTES and (
-                reads.lengths[piece] == reads.saved_sizes[piece] == landing.shape and lands_straight(landing, reads.dtypes[shard]))
-            direct.straight.append(landing if straight else None)
-        return items, direct
+        others, direct = direct_pieces(reads, catalog.items, self.verify_checksums)
+        return list(plan.items) + [reads.read_item(piece) for piece in others], direct
 
     def _takes_columns(self) -> bool:
         """Whether this reader's ``read_data`` reads a plan's tensor pieces as columns:
@@ -417,38 +398,33 @@ class ShardReader(StorageReader):
         """Byte-range requests for the plan's items and direct pieces, file by file in
         file order, and what to commit once they land. A generator: the executor reads one
         file while the next is planned."""
-        records = stored + direct.records
-        count = len(items)
-        order = sorted(range(len(records)), key=lambda i: (records[i].relative_path, records[i].offset))
-        for _, positions in groupby(order, key=lambda i: records[i].relative_path):
-            group = list(positions)
-            file_items = [items[i] for i in group if i < count]
-            layouts = iter(self._layouts(catalog, file_items, [stored[i] for i in group if i < count]))
-            straight = StraightRecords(records[group[0]].relative_path)
-            for i in group:
-                landing = None if i < count else direct.straight[i - count]
-                if landing is not None:
-                    yield from straight.add(direct.reads.fqn(direct.pieces[i - count]), records[i].payload_offset, landing)
-                    continue
-                if i < count:
+        item_files: dict[str, list[int]] = {}
+        for i in sorted(range(len(stored)), key=lambda i: (stored[i].relative_path, stored[i].offset)):
+            item_files.setdefault(stored[i].relative_path, []).append(i)
+        for path in sorted(item_files.keys() | direct.by_file.keys()):
+            mine, theirs = item_files.get(path, []), direct.by_file.get(path, [])
+            layouts = iter(self._layouts(catalog, [items[i] for i in mine], [stored[i] for i in mine]))
+            straight = StraightRecords(path)
+            for is_direct, i in _in_record_order(stored, mine, direct, theirs):
+                if not is_direct:
                     yield from self._plan_item(catalog, items[i], stored[i], next(layouts), planner, commits, straight)
                     continue
+                landing = direct.straight[i]
+                if landing is not None:
+                    yield from straight.add(direct.fqn(i), direct.payloads[i], landing)
+                    continue
                 yield from straight.flush()  # the requests stay in file order
-                yield from self._direct_requests(direct, i - count)
+                yield from self._direct_requests(direct, i)
             yield from straight.flush()
 
-    def _in_memory(self, records: list[StoredItem]) -> bool:
-        """Whether the page cache holds every file's stretch the load reads (from its first
-        record to the end of its last: ``RangeReader.in_memory``); no where that cannot be
-        asked, or a file cannot be opened (its reads say why)."""
-        spans: dict[str, tuple[int, int]] = {}
-        for record in records:
-            start, end = spans.get(record.relative_path, (record.offset, record.offset))
-            spans[record.relative_path] = (min(start, record.offset), max(end, record.offset + record.length))
+    def _in_memory(self, spans: dict[str, FileSpan]) -> bool:
+        """Whether the page cache holds each file's span the load reads
+        (``RangeReader.in_memory``); no where that cannot be asked, or a file cannot be
+        opened (its reads say why)."""
         try:
-            for path, (start, end) in spans.items():
+            for path, span in spans.items():
                 with self.location.open_reader(path) as reader:
-                    if not reader.in_memory(start, end):
+                    if not reader.in_memory(span.start, span.end):
                         return False
         except (OSError, CheckpointError):
             return False
@@ -458,7 +434,7 @@ class ShardReader(StorageReader):
         """Requests of a direct piece that does not go straight (``DirectPieces.straight``):
         its record's layout from the index, its memory from the planner's landing tensor;
         nothing to commit (the planner's ``commit_tensor`` is DCP's, which does nothing)."""
-        reads, piece, record = direct.reads, direct.pieces[position], direct.records[position]
+        reads, piece, record = direct.reads, direct.pieces[position], direct.record(position)
         shard = reads.shard[piece]
         fqn, dtype, lengths = reads.fqns[shard], reads.dtypes[shard], reads.lengths[piece]
         where = self._where(record.relative_path, fqn)
@@ -592,18 +568,12 @@ class ShardReader(StorageReader):
     def _where(self, path: str, key: str) -> str:
         return f"{self.location.url}: file {path!r} key {key!r}"
 
-    def _check_files(self, records: Iterable[tuple[str, StoredItem]]) -> None:
-        """Every file of these (key, record) pairs exists and holds every byte range they
-        touch; in a format whose records are whole files (zarr chunks), exactly those bytes:
-        a longer file is another array's chunk or a shifted one, not this record."""
+    def _check_files(self, spans: dict[str, FileSpan]) -> None:
+        """Every file of these spans (``record_spans``) exists and holds every byte range
+        they touch; in a format whose records are whole files (zarr chunks), exactly
+        those bytes: a longer file is another array's chunk or a shifted one, not this record."""
         whole_files = FORMATS[self._require_catalog().format].records_fill_files
-        ends: dict[str, tuple[int, str]] = {}  # file -> the end of the record reaching furthest into it, its key
-        for key, record in records:
-            end = record.offset + record.length
-            known = ends.get(record.relative_path)
-            if known is None or end > known[0]:
-                ends[record.relative_path] = (end, key)
-        for path, (end, key) in ends.items():
+        for path, (_, end, key) in spans.items():
             self.location.path(path, key)  # rejects escapes
             size = self.location.size(path)
             if size is None:
@@ -750,7 +720,7 @@ def check_records_held(reader: ShardReader, keys: Collection[str]) -> None:
     a ``.zarray`` claiming 88 TB over two 360-byte chunk files was allocated first). Keys
     the copy leaves out are not looked at."""
     wanted = set(keys)
-    reader._check_files((index.fqn, item) for index, item in reader._require_catalog().items.items() if index.fqn in wanted)
+    reader._check_files(record_spans((index.fqn, item) for index, item in reader._require_catalog().items.items() if index.fqn in wanted))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,20 +732,13 @@ class ReaderMode:
     takes_columns: bool = False  # its read_data reads tensor pieces as columns (``read_columns``)
 
 
-@dataclasses.dataclass
-class DirectPieces:
-    """Pieces of a plan's columns read without a ReadItem, with their records, and for
-    each the landing tensor it is read straight into as a whole record (``StraightRecords``;
-    None: through its layout, ``ShardReader._direct_requests``)."""
-
-    reads: TensorReads
-    pieces: list[int]
-    records: list[StoredItem]
-    straight: list[torch.Tensor | None]
-
-    @staticmethod
-    def none() -> DirectPieces:
-        return DirectPieces(TensorReads.empty(), [], [], [])
+def _in_record_order(stored: list[StoredItem], items: list[int], direct: DirectPieces, pieces: list[int]) -> Iterable[tuple[bool, int]]:
+    """One file's plan items and direct pieces (positions, each in record order) merged by
+    record: (False, item) and (True, direct piece)."""
+    if not items or not pieces:
+        return zip(repeat(bool(pieces)), pieces or items)
+    steps = [(stored[i].offset, False, i) for i in items] + [(direct.offsets[p], True, p) for p in pieces]
+    return ((is_direct, i) for _, is_direct, i in sorted(steps))
 
 
 def _plans_every_element(planner: LoadPlanner) -> bool:

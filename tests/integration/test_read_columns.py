@@ -7,6 +7,8 @@ so the final plan can be looked at; the bytes land through the reader's own ``re
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -14,12 +16,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_ext import ShardLoadPlanner, ShardReader, ShardWriter
-from dcp_ext.errors import ChecksumMismatchError
+from dcp_ext.errors import ChecksumMismatchError, CorruptCheckpointError
 from dcp_ext.storage.executors import EXECUTORS, ScatterReads
 from dcp_ext.storage.read_columns import TensorReads
 from dcp_ext.storage.read_plan import SLAB_BYTES, Request
 
-from support import assert_tensor_equal, garbage_like
+from support import assert_tensor_equal, garbage_like, load_error
 
 
 def _saved(path, **writer_options) -> dict:
@@ -206,3 +208,43 @@ def test_whole_records_going_straight_share_requests_in_file_order(tmp_path, mon
     packed = [r for r in handed if len(r.ranges) > 1]
     assert sum(len(r.ranges) for r in packed) >= 40  # the small records, together
     assert len(handed) < 12  # 44 records: one request per record before
+
+
+def test_read_items_and_direct_pieces_sharing_files_are_read_file_by_file_in_record_order(tmp_path, monkeypatch):
+    """Values read through ReadItems (numbers and strings; tensors whose destination is an
+    ``nn.Parameter``, which the planner resolves) share data files with tensor pieces read
+    as columns, their records interleaved: each file's requests come together and in
+    record order, and every value lands. A file cut short is refused naming the key of its
+    last record."""
+    g = torch.Generator().manual_seed(8)
+    saved: dict = {}
+    for i in range(12):
+        saved[f"t{i}"] = torch.randn(40 + i, 9, generator=g)
+        saved[f"n{i}"] = 7 * i
+        saved[f"s{i}"] = f"text {i}"
+    dcp.save(saved, storage_writer=ShardWriter(tmp_path, thread_count=2), no_dist=True)
+    got = _garbage(saved)
+    got.update({k: "" for k in saved if k.startswith("s")})
+    params = {f"t{i}" for i in range(1, 12, 2)}
+    got.update({k: torch.nn.Parameter(got[k], requires_grad=False) for k in params})
+    monkeypatch.setitem(EXECUTORS, "local", RecordingReads)
+    reader = ShardReader(tmp_path, cache_metadata=False)
+    dcp.load(got, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=True)
+    _check(got, saved)
+    assert reader.last_report.items_read == len(saved)
+    handed = RecordingReads.handed
+    paths = [request.path for request in handed]
+    assert len(set(paths)) == 2 and paths == sorted(paths)  # file by file
+    spans = [(r.path, r.ranges[0][0], r.ranges[-1][0] + r.ranges[-1][1]) for r in handed]
+    for (path, _, end), (next_path, start, _) in zip(spans, spans[1:]):
+        assert path != next_path or end <= start, spans  # in record order: no request reaches into the next
+    for request in handed:  # and within each request (records read together)
+        assert all(a + n <= b for (a, n), (b, _) in zip(request.ranges, request.ranges[1:])), request.ranges
+
+    catalog = reader._require_catalog()
+    last = max((item for item in catalog.items.values() if item.relative_path == paths[0]), key=lambda item: item.offset)
+    last_key = next(index.fqn for index, item in catalog.items.items() if item == last)
+    os.truncate(tmp_path / paths[0], last.offset + last.length - 1)
+    error = load_error(saved, tmp_path, cache_metadata=False)
+    assert isinstance(error, CorruptCheckpointError)
+    assert f"file {paths[0]!r} key {last_key!r}: item needs bytes up to {last.offset + last.length} " in str(error)

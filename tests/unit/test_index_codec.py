@@ -298,7 +298,13 @@ def test_a_plan_over_keys_of_every_ndim_with_rows_in_any_order_is_dcps(seed, mon
         assert describe(made) == stock
         # each piece's index row is its saved chunk's record, found without a lookup
         fqns = [reads.fqn(piece) for piece in range(len(reads))]
-        assert back.items.items_at(reads.rows, fqns) == [back.items[item.storage_index] for item in made]
+        loc = back.items.locations(np.array(reads.rows, np.int64))
+        found = zip(fqns, loc.file.tolist(), loc.offset.tolist(), loc.length.tolist(), loc.payload.tolist(),
+                    loc.transformed.tolist(), loc.has_checksum.tolist())
+        assert [(back.items.file_name(code, fqn), *where) for fqn, code, *where in found] == [
+            (item.relative_path, item.offset, item.length, item.payload_offset, bool(item.transforms), item.checksum is not None)
+            for item in (back.items[read.storage_index] for read in made)
+        ]
 
 
 def test_stacked_boxes_refuse_keys_of_several_ndims():
