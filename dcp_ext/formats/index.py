@@ -680,7 +680,7 @@ class _KeyRows:
     def stacked_boxes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(bounds, offsets, sizes, rows) of tensor keys ``ks``' rows (keys of one ndim; a key
         may repeat), checked, key after key: key ``i``'s at ``bounds[i]:bounds[i + 1]``;
-        ``rows`` are their index rows (``IndexedItems.items_at``)."""
+        ``rows`` are their index rows (``IndexedItems.locations``)."""
         ndim = self.keys.ndim[ks]
         if bool((ndim != ndim[0]).any()):  # one ndim's values per row, or rows would be misread
             raise ValueError(f"stacked_boxes takes keys of one ndim, got ndims {sorted(set(ndim.tolist()))}")

@@ -43,6 +43,7 @@ def local_reads(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, sou
     items: list[ReadItem] = []
     shards: list[LocalShard] = []
     landings: list[torch.Tensor | None] = []
+    dtypes: list[torch.dtype] = []
     memo: ChunkMemo = {}
     held: ChunkMemo = {}
     facts_of = keys.facts
@@ -64,9 +65,15 @@ def local_reads(state_dict: dict[str, Any], keys: IndexedKeys, strict: bool, sou
             continue  # this rank is outside the tensor's submesh
         else:
             chunks = local_chunks(obj, memo)
-        shards += [(fqn, i, chunk) for i, chunk in enumerate(chunks)]
-        landings += [landing_tensor(obj) if len(chunks) == 1 else None] * len(chunks)
-    return items, tensor_reads(keys, shards, landings)
+        if len(chunks) == 1:  # most: the tensor's whole local part
+            shards.append((fqn, 0, chunks[0]))
+            landings.append(landing_tensor(obj))
+            dtypes.append(facts[0].dtype)
+        else:
+            shards += [(fqn, i, chunk) for i, chunk in enumerate(chunks)]
+            landings += [None] * len(chunks)
+            dtypes += [facts[0].dtype] * len(chunks)
+    return items, tensor_reads(keys, shards, landings, dtypes)
 
 
 def _held_chunks(obj: DTensor, size: torch.Size, held: ChunkMemo) -> list[ChunkStorageMetadata]:
@@ -184,15 +191,21 @@ def landing_tensor(obj: Any) -> torch.Tensor | None:
 BATCH_ROWS = 1 << 15  # saved chunks intersected at once: ~1 MB a matrix
 
 
-def tensor_reads(keys: IndexedKeys, shards: list[LocalShard], landings: list[torch.Tensor | None] | None = None) -> TensorReads:
+def tensor_reads(
+    keys: IndexedKeys,
+    shards: list[LocalShard],
+    landings: list[torch.Tensor | None] | None = None,
+    dtypes: list[torch.dtype] | None = None,
+) -> TensorReads:
     """The pieces filling each local shard of a tensor key from the key's saved chunks:
     DCP's read items as columns, shard by shard as DCP lists them (a shard's saved chunks
     in metadata order, where DCP sweeps them by offset). ``landings``: each shard's
-    landing tensor (``landing_tensor``; None: none). Shards are intersected in batches of
-    one ndim, keys in index order (so a batch's rows are often one run)."""
+    landing tensor (``landing_tensor``; None: none); ``dtypes``: each shard's saved dtype
+    (None: looked up). Shards are intersected in batches of one ndim, keys in index order
+    (so a batch's rows are often one run)."""
     ks, ndim, counts = keys.key_facts([fqn for fqn, _, _ in shards])
     by_layout = np.lexsort((ks, ndim))
-    blocks: list[list[list[Any]]] = []  # per batch: its columns, as lists
+    blocks: list[list[np.ndarray]] = []  # per batch: its columns
     made_for: list[np.ndarray] = []  # the shard each piece fills
     for batch in _batches(ndim[by_layout], counts[by_layout]):
         picked = by_layout[batch]
@@ -200,15 +213,19 @@ def tensor_reads(keys: IndexedKeys, shards: list[LocalShard], landings: list[tor
         blocks.append(columns)
         made_for.append(picked[shard_of])
     shard = np.concatenate(made_for) if made_for else np.zeros(0, np.int64)
-    order = np.argsort(shard, kind="stable").tolist()
-    pieces = [[value for block in blocks for value in block[c]] for c in range(7)]
-    rows, places, saved, sizes, dest, storage, lengths = ([column[i] for i in order] for column in pieces)
+    order = np.argsort(shard, kind="stable")
+    if len(blocks) == 1:  # one ndim, up to BATCH_ROWS chunks (most loads): put in order before leaving numpy
+        pieces = [_as_lists(column[order]) for column in blocks[0]]
+    else:
+        merged = [[value for block in blocks for value in _as_lists(block[c])] for c in range(7)]
+        pieces = [[column[i] for i in order.tolist()] for column in merged]
+    rows, places, saved, sizes, dest, storage, lengths = pieces
     return TensorReads(
         keys=keys,
         fqns=[fqn for fqn, _, _ in shards],
         chunks=[chunk for _, _, chunk in shards],
         chunk_places=[place for _, place, _ in shards],
-        dtypes=[keys.facts(fqn)[0].dtype for fqn, _, _ in shards],
+        dtypes=dtypes if dtypes is not None else [keys.facts(fqn)[0].dtype for fqn, _, _ in shards],
         landings=landings if landings is not None else [None] * len(shards),
         shard=shard[order].tolist(),
         rows=rows, places=places, saved_offsets=saved, saved_sizes=sizes,
@@ -228,10 +245,10 @@ def _batches(ndim: np.ndarray, counts: np.ndarray) -> Iterator[slice]:
         first = end
 
 
-def _batch_pieces(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarray) -> tuple[list[list[Any]], np.ndarray]:
+def _batch_pieces(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """The pieces of ``shards`` (of one ndim): their columns (index rows, places in their
     keys' chunk lists, saved offsets and sizes, destination offsets, storage offsets,
-    lengths; boxes as tuples) and, for each, the shard it fills."""
+    lengths; boxes as rows of a matrix) and, for each, the shard it fills."""
     bounds, off, size, key_rows = keys.stacked_boxes(ks)
     nd, counts = off.shape[1], np.diff(bounds)
     local = np.array([[*chunk.offsets, *chunk.sizes] for _, _, chunk in shards], np.int64).reshape(len(shards), 2 * nd)
@@ -244,6 +261,9 @@ def _batch_pieces(keys: IndexedKeys, shards: list[LocalShard], ks: np.ndarray) -
     hits = np.flatnonzero(inside)
     shard_of = np.repeat(np.arange(len(shards)), counts)[hits]
     boxes = (off[hits], size[hits], (first - start)[hits], (first - off)[hits], (last - first)[hits])
-    columns = [key_rows[hits].tolist(), (hits - bounds[shard_of]).tolist()]  # place: in the key's chunk list
-    columns += [list(map(tuple, box.tolist())) for box in boxes]
-    return columns, shard_of
+    return [key_rows[hits], hits - bounds[shard_of], *boxes], shard_of  # place: in the key's chunk list
+
+
+def _as_lists(column: np.ndarray) -> list[Any]:
+    """A column as TensorReads holds it: numbers, or boxes as tuples."""
+    return column.tolist() if column.ndim == 1 else list(map(tuple, column.tolist()))
