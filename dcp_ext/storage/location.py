@@ -675,8 +675,9 @@ class RangeReader(ABC):
         """Say that ``(offset, length)`` ranges a ``prefetch`` brought in are done with."""
 
     def in_memory(self, start: int, end: int) -> bool:
-        """Whether memory (a page cache) holds bytes ``[start, end)`` whole, asked without
-        reading them; False where that cannot be asked (a remote store, an old kernel)."""
+        """Whether memory (a page cache) holds bytes ``[start, end)``, asked without reading
+        them (of windows through a long range: ``page_cache.held``); False where that cannot
+        be asked (a remote store, an old kernel)."""
         return False
 
     def fetch(self, ranges: Sequence[tuple[int, int]]) -> FetchedSpans:
@@ -796,7 +797,7 @@ class LocalRangeReader(RangeReader):
         return True
 
     def in_memory(self, start: int, end: int) -> bool:
-        return page_cache.cached(self.fd, start, end) is True
+        return page_cache.held(self.fd, start, end) is True
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> bool:
         """``POSIX_FADV_WILLNEED`` for each range, neighbours merged: the kernel queues the

@@ -59,3 +59,23 @@ def cached(fd: int, start: int, end: int) -> bool | None:
         return None if _SYSCALL is None else True
     stat = counts(fd, start, end)
     return None if stat is None else stat.nr_cache >= (end - 1) // PAGE_BYTES - start // PAGE_BYTES + 1
+
+
+WINDOW_BYTES = 256 << 10  # what ``held`` asks about every STRIDE_BYTES
+STRIDE_BYTES = 32 << 20
+
+
+def held(fd: int, start: int, end: int) -> bool | None:
+    """Whether the page cache holds bytes ``[start, end)``, asked of a window of
+    WINDOW_BYTES every STRIDE_BYTES and at the end instead of every page: cachestat walks
+    each page of its range, 1.5 ms per 268 MB file (3.2 ms of a 58 ms warm load of 1.07
+    GB). A stretch of STRIDE_BYTES or more that the cache lacks is always found: what
+    decides a load's threads is whether its reads wait for the disk, not a page here
+    and there."""
+    if end - start <= STRIDE_BYTES:
+        return cached(fd, start, end)
+    for at in [*range(start, end - WINDOW_BYTES, STRIDE_BYTES), end - WINDOW_BYTES]:
+        answer = cached(fd, at, at + WINDOW_BYTES)
+        if answer is not True:
+            return answer
+    return True

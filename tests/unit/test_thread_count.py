@@ -247,3 +247,33 @@ def test_the_calling_thread_reads_beside_the_pool(tmp_path) -> None:
     finally:
         watching[0] = False
     assert read_by_caller > 0
+
+
+def test_a_long_stretch_is_asked_about_in_windows_that_find_any_uncached_stride(tmp_path, monkeypatch) -> None:
+    """``page_cache.held`` asks of a window every STRIDE_BYTES (and at the end), not of
+    every page (cachestat walks each page): a file read whole is held, one evicted whole is
+    not, and so is not one whose uncached stretch spans a stride, wherever it lies."""
+    monkeypatch.setattr(page_cache, "STRIDE_BYTES", 1 << 20)
+    monkeypatch.setattr(page_cache, "WINDOW_BYTES", 64 << 10)
+    target = tmp_path / "f.bin"
+    size = (8 << 20) + 12345
+    target.write_bytes(os.urandom(size))
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        if page_cache.cached(fd, 0, size) is None:
+            pytest.skip("no cachestat(2) here (another OS or architecture, Linux before 6.5, a seccomp filter)")
+        os.read(fd, size)
+        assert page_cache.held(fd, 100, size) is True
+        evict(target)
+        if page_cache.cached(fd, 0, size):
+            pytest.skip("this file system keeps the file's pages (tmpfs)")
+        assert page_cache.held(fd, 100, size) is False
+        for hole in (0, 3 << 20, (5 << 20) + 777, size - (1 << 20)):  # the start, inside, off the windows' grid, the end
+            os.pread(fd, size, 0)
+            assert page_cache.held(fd, 100, size) is True
+            os.posix_fadvise(fd, hole, 1 << 20, os.POSIX_FADV_DONTNEED)
+            assert page_cache.held(fd, 100, size) is False, hole
+        os.pread(fd, size, 0)
+        assert page_cache.held(fd, 50, 60) is True and page_cache.held(fd, 5, 5) is True  # short: asked whole
+    finally:
+        os.close(fd)
