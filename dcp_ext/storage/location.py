@@ -755,7 +755,7 @@ class LocalRangeReader(RangeReader):
             else:
                 batch, size = [], 0
                 for view in itertools.islice(views, first, first + IOV_MAX):
-                    if step and size + view.nbytes > step:  # a cold read: COLD_READ_BYTES at a time
+                    if size + view.nbytes > step:  # a cold read: COLD_READ_BYTES at a time
                         if size < step:
                             batch.append(view[: step - size])
                         break
@@ -768,7 +768,7 @@ class LocalRangeReader(RangeReader):
             offset += n
             if total == nbytes:
                 return total
-            if not step and n == sum(v.nbytes for v in batch):
+            if not step and n == sum(v.nbytes for v in batch):  # every view of the call filled
                 first += len(batch)
                 continue
             while n:  # the views the call filled, the last one maybe in part
