@@ -218,7 +218,8 @@ def tensor_reads(
         pieces = [_as_lists(column[order]) for column in blocks[0]]
     else:
         merged = [[value for block in blocks for value in _as_lists(block[c])] for c in range(7)]
-        pieces = [[column[i] for i in order.tolist()] for column in merged]
+        in_order = order.tolist()
+        pieces = [[column[i] for i in in_order] for column in merged]
     rows, places, saved, sizes, dest, storage, lengths = pieces
     return TensorReads(
         keys=keys,
