@@ -57,6 +57,8 @@ class DirectPieces:
     reads: TensorReads
     pieces: list[int]
     straight: list[torch.Tensor | None]
+    filled: frozenset[str]  # keys whose one shard one piece fills whole (the shard's only piece)
+    partial: list[int]  # positions of the other pieces: the fill check adds up only these
     offsets: list[int]  # each piece's record's first byte in its file
     payloads: list[int]  # each piece's first tensor byte in its file
     by_file: dict[str, list[int]]  # positions (into ``pieces``) per file, in record order
@@ -66,7 +68,7 @@ class DirectPieces:
 
     @staticmethod
     def none() -> DirectPieces:
-        return DirectPieces(TensorReads.empty(), [], [], [], [], {}, {}, 0, None)
+        return DirectPieces(TensorReads.empty(), [], [], frozenset(), [], [], [], {}, {}, 0, None)
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -93,17 +95,24 @@ def direct_pieces(reads: TensorReads, items: IndexedItems, verify: bool) -> tupl
         direct &= where.has_checksum
     chosen = np.flatnonzero(direct)
     pieces = chosen.tolist()
-    landings, lengths, saved, dtypes = reads.landings, reads.lengths, reads.saved_sizes, reads.dtypes
+    alone = (np.bincount(shard, minlength=len(reads.landings)) == 1)[shard[chosen]].tolist()  # the shard's only piece
+    landings, lengths, saved, dtypes, fqns = reads.landings, reads.lengths, reads.saved_sizes, reads.dtypes, reads.fqns
     straight: list[torch.Tensor | None] = []
-    for piece, s in zip(pieces, shard[chosen].tolist()):
+    filled: list[str] = []
+    partial: list[int] = []
+    for position, (piece, s, only) in enumerate(zip(pieces, shard[chosen].tolist(), alone)):
         landing = landings[s]
         assert landing is not None
-        # a whole chunk filling a whole shard of host memory (most pieces): no layout to build
+        # a whole chunk filling a whole shard (most pieces): no layout to build, nothing to add up
         whole = lengths[piece] == saved[piece] == landing.shape
+        if whole and only:
+            filled.append(fqns[s])
+        else:
+            partial.append(position)
         straight.append(landing if not verify and whole and landing.nbytes <= SLAB_BYTES and lands_straight(landing, dtypes[s]) else None)
     by_file, spans = _files(reads, items, chosen, where)
-    located = DirectPieces(reads, pieces, straight, where.offset[chosen].tolist(), where.payload[chosen].tolist(), by_file, spans,
-                           int(where.length[chosen].sum()), items)
+    located = DirectPieces(reads, pieces, straight, frozenset(filled), partial, where.offset[chosen].tolist(),
+                           where.payload[chosen].tolist(), by_file, spans, int(where.length[chosen].sum()), items)
     return np.flatnonzero(~direct).tolist(), located
 
 

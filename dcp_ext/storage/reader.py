@@ -515,8 +515,13 @@ class ShardReader(StorageReader):
             else:
                 read[fqn] = read.get(fqn, 0) + math.prod(item.lengths)
                 pieces.setdefault((fqn, item.dest_index.index), []).append((tuple(item.dest_offsets), tuple(item.lengths)))
+        # a key whose one shard one piece fills whole has nothing to add up: no ReadItem reads
+        # into it (a piece read as one counts in its shard, ``direct_pieces``; the plan's own
+        # items are never a shard's), and the key needs what that piece reads
+        filled = direct.filled
         reads = direct.reads
-        for piece in direct.pieces:
+        for position in direct.partial:
+            piece = direct.pieces[position]
             shard, lengths = reads.shard[piece], reads.lengths[piece]
             fqn = reads.fqns[shard]
             read[fqn] = read.get(fqn, 0) + math.prod(lengths)
@@ -533,6 +538,8 @@ class ShardReader(StorageReader):
                 )
         saved = catalog.metadata.state_dict_metadata
         for fqn, value in state.items():
+            if fqn in filled:
+                continue
             needed = _local_elements(value)
             if needed is None or fqn in as_bytes or (fqn not in read and fqn not in saved):
                 continue
