@@ -8,6 +8,7 @@ to hold (which also stops a chunk claiming 2**60 bytes from becoming an allocati
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,24 +42,66 @@ def is_dims(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and _non_negative_ints(value) and all(v < 2**63 for v in value)
 
 
-def items_from_storage_data(metadata: Metadata, source: str) -> dict[MetadataIndex, StoredItem]:
+class ItemsByPlace(Mapping[MetadataIndex, StoredItem]):
+    """{MetadataIndex: StoredItem}, held by each index's place, ``(fqn, offset)``: what
+    DCP's ``MetadataIndex`` hashes and compares (its ``index`` hint is neither). Its hash and
+    equality are a dataclass's Python functions, ~1 us a lookup, and a load of a stock
+    checkpoint looks each record up four to six times (the plan's items, their layouts);
+    a tuple's are C's."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, Any], StoredItem] = {}
+        self._indices: dict[tuple[str, Any], MetadataIndex] = {}
+
+    def add(self, index: MetadataIndex, item: StoredItem) -> None:
+        place = (index.fqn, index.offset)
+        self._indices[place] = index
+        self._items[place] = item
+
+    def __getitem__(self, index: MetadataIndex) -> StoredItem:
+        try:
+            return self._items[index.fqn, index.offset]
+        except AttributeError:  # not an index: as a dict keyed by indices answers
+            raise KeyError(index) from None
+
+    def at(self, fqn: str, offset: Any) -> StoredItem | None:
+        """The item of key ``fqn`` whose chunk starts at ``offset`` (a torch.Size or tuple), if any."""
+        return self._items.get((fqn, offset))
+
+    def get(self, index: MetadataIndex, default: Any = None) -> Any:  # type: ignore[override]
+        try:
+            return self._items.get((index.fqn, index.offset), default)
+        except AttributeError:
+            return default
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, MetadataIndex) and (index.fqn, index.offset) in self._items
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._indices.values())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def items_from_storage_data(metadata: Metadata, source: str) -> ItemsByPlace:
     """Stored-item locations from a pickled metadata's ``storage_data``."""
     if not isinstance(metadata.storage_data, dict):
         raise CorruptCheckpointError(f"{source}: storage_data is {type(metadata.storage_data).__name__}, expected a dict")
-    items = {}
+    items = ItemsByPlace()
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise CorruptCheckpointError(f"{source}: storage_data entry {index!r} is not a DCP file location")
         transforms = tuple(info.transform_descriptors or ())
         if not all(isinstance(t, str) for t in transforms):
             raise CorruptCheckpointError(f"{source}: item {index.fqn!r} has stream transforms {transforms!r}, expected names")
-        items[index] = StoredItem(info.relative_path, info.offset, info.length, transforms=transforms)
+        items.add(index, StoredItem(info.relative_path, info.offset, info.length, transforms=transforms))
     return items
 
 
 def check_metadata(
     metadata: Metadata,
-    items: dict[MetadataIndex, StoredItem],
+    items: Mapping[MetadataIndex, StoredItem],
     source: str,
     copies: dict[MetadataIndex, list[StoredItem]] | None = None,
 ) -> None:
@@ -103,10 +146,11 @@ def _check_location(index: MetadataIndex, item: StoredItem, source: str, named: 
 def _check_tensor(
     fqn: str,
     md: TensorStorageMetadata,
-    items: dict[MetadataIndex, StoredItem],
+    items: Mapping[MetadataIndex, StoredItem],
     copies: dict[MetadataIndex, list[StoredItem]],
     source: str,
 ) -> None:
+    by_place = isinstance(items, ItemsByPlace)  # looked up without a MetadataIndex per chunk
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not _non_negative_ints(md.size):
         raise invalid_tensor_facts(source, fqn, dtype, md.size)
@@ -123,8 +167,9 @@ def _check_tensor(
         ):
             raise chunk_outside_tensor(source, fqn, offsets, sizes, md.size)
         # DCP's constructor copies the offsets into a new torch.Size; the pickle's already are one
-        index = frozen(MetadataIndex, fqn=fqn, offset=offsets if type(offsets) is torch.Size else torch.Size(offsets), index=None)
-        item = items.get(index)
+        offset = offsets if type(offsets) is torch.Size else torch.Size(offsets)
+        index = frozen(MetadataIndex, fqn=fqn, offset=offset, index=None) if copies or not by_place else None
+        item = items.get(index) if index is not None else items.at(fqn, offset)  # type: ignore[union-attr]
         if item is None:
             raise CorruptCheckpointError(f"{source}: tensor {fqn!r} chunk at {list(offsets)} has no stored location")
         nbytes = numel(sizes) * dtype.itemsize

@@ -197,34 +197,36 @@ class Catalog:
         tail and the next one's head as one span: 590 back-to-back records, warm, 1,180
         reads of Python-wrapped ``preadv`` (~11 us each) -> 591 ``pread`` calls, parse 32
         -> 20 ms."""
-        files: dict[str, list[MetadataIndex]] = {}
-        for index in indices:
-            files.setdefault(self.item(index).relative_path, []).append(index)
+        files: dict[str, list[tuple[int, MetadataIndex, StoredItem]]] = {}  # each record: its place in indices, item
+        for position, index in enumerate(indices):
+            item = self.item(index)
+            files.setdefault(item.relative_path, []).append((position, index, item))
         cold: bool | None = None  # whether the first record's head is not in memory (asked once)
         records = RecordLayouts()
-        layouts: dict[MetadataIndex, TensorLayout] = {}
-        runs: list[list[MetadataIndex]] = []  # of files whose storage took no prefetch
+        layouts: list[TensorLayout | None] = [None] * len(indices)
+        runs: list[list[tuple[int, MetadataIndex, StoredItem]]] = []  # of files whose storage took no prefetch
 
-        def parse(reader: RangeReader, run: list[MetadataIndex]) -> None:
+        def parse(reader: RangeReader, run: list[tuple[int, MetadataIndex, StoredItem]]) -> None:
             for first in range(0, len(run), ENDS_BATCH_RECORDS):
                 batch = run[first : first + ENDS_BATCH_RECORDS]
-                ends = reader.fetch([(item.offset + start, n) for item in map(self.item, batch)
-                                     for start, n in probed_ranges(item.length)])
-                for index in batch:
-                    layouts[index] = self._parse_layout(reader, ends, records, index)
+                ends = reader.fetch([(item.offset + start, n) for _, _, item in batch for start, n in probed_ranges(item.length)])
+                for position, index, item in batch:
+                    layouts[position] = self._parse_layout(reader, ends, records, index, item)
 
-        def parse_run(run: list[MetadataIndex]) -> None:
-            with location.open_reader(self.item(run[0]).relative_path, run[0].fqn) as reader:
+        def parse_run(run: list[tuple[int, MetadataIndex, StoredItem]]) -> None:
+            _, index, item = run[0]
+            with location.open_reader(item.relative_path, index.fqn) as reader:
                 parse(reader, run)
 
         for path, found in files.items():
-            with location.open_reader(path, found[0].fqn) as reader:
+            _, first_index, first_item = found[0]
+            with location.open_reader(path, first_index.fqn) as reader:
                 if cold is None:  # one record (verify parses one at a time): nothing to queue
-                    cold = len(indices) > 1 and not reader.holds([self.item(found[0]).offset])
+                    cold = len(indices) > 1 and not reader.holds([first_item.offset])
                 if not cold:
                     parse(reader, found)
                     continue
-                ends = [(item.offset + start, n) for item in map(self.item, found) for start, n in probed_ranges(item.length)]
+                ends = [(item.offset + start, n) for _, _, item in found for start, n in probed_ranges(item.length)]
                 if reader.prefetch(ends):
                     parse(reader, found)
                     reader.release(ends)  # the data reads stream from the disk past them
@@ -237,11 +239,13 @@ class Catalog:
         else:
             for run in runs:
                 parse_run(run)
-        return [layouts[index] for index in indices]
+        return layouts  # type: ignore[return-value]  # every one parsed
 
-    def _parse_layout(self, reader: RangeReader, ends: FetchedSpans, records: RecordLayouts, index: MetadataIndex) -> TensorLayout:
-        """The layout of one record, its ends taken from ``ends`` (bytes further in from ``reader``)."""
-        item = self.item(index)
+    def _parse_layout(
+        self, reader: RangeReader, ends: FetchedSpans, records: RecordLayouts, index: MetadataIndex, item: StoredItem
+    ) -> TensorLayout:
+        """The layout of the record ``item`` (of ``index``), its ends taken from ``ends``
+        (bytes further in from ``reader``)."""
         where = f"{self.url}: file {item.relative_path!r} key {index.fqn!r}"
 
         def read_at(offset: int, n: int) -> bytes:

@@ -599,7 +599,7 @@ class ShardReader(StorageReader):
         picks). Stock records are parsed once each, all from one open file and most
         recognized by their frame (``Catalog.parse_layouts``): the items are one file's."""
         layouts: list[TensorLayout | None] = []
-        missing: dict[Any, list[int]] = {}  # records whose layout the metadata does not give
+        missing: dict[Any, tuple[MetadataIndex, list[int]]] = {}  # by place: records whose layout the metadata does not give
         # (a verified read keeps to the probe: it tells a record that carries no CRC-32 from a corrupt one)
         networked = self.location.networked and catalog.format == "dcp" and not self.verify_checksums
         for read_item, record in zip(items, stored):
@@ -614,14 +614,15 @@ class ShardReader(StorageReader):
                     # a verified read of a record without CRC32C in the index checks its zip CRC-32 as
                     # the record holds it now: our index gives no CRC-32 (checksums=False), and one
                     # parsed by an earlier load is stale where the data file alone was replaced
-                    missing.setdefault(read_item.storage_index, []).append(len(layouts))
+                    index = read_item.storage_index
+                    missing.setdefault((index.fqn, index.offset), (index, []))[1].append(len(layouts))
             layouts.append(layout)
         try:
-            parsed = catalog.parse_layouts(self.location, list(missing), self.thread_count)
+            parsed = catalog.parse_layouts(self.location, [index for index, _ in missing.values()], self.thread_count)
         except FileNotFoundError:  # the records parsed here: stock ones, or the canonical record of one of ours
-            index = next(iter(missing))
+            index = next(iter(missing.values()))[0]
             raise self._missing(catalog.item(index).relative_path, index.fqn) from None
-        for positions, layout in zip(missing.values(), parsed):
+        for (_, positions), layout in zip(missing.values(), parsed):
             for i in positions:  # a layout the index gave keeps its offsets (a TP-replica copy's own), takes the CRC
                 known = layouts[i]
                 layouts[i] = layout if known is None else dataclasses.replace(known, payload_crc32=layout.payload_crc32)
