@@ -7,6 +7,7 @@ DCP's own unpickled ``storage_data`` is, built from the same indices.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -49,12 +50,8 @@ def test_lookups_answer_as_a_dict_of_indices_does():
         if index in reference:
             assert by_place[index] is reference[index]
         else:
-            try:
+            with pytest.raises(KeyError):
                 by_place[index]
-            except KeyError:
-                pass
-            else:
-                raise AssertionError(f"{index} found")
 
 
 def test_iteration_length_and_objects_not_indices():
@@ -66,12 +63,8 @@ def test_iteration_length_and_objects_not_indices():
     for other in ("w", ("w", torch.Size([0, 0])), None):  # not an index: absent, as from a dict of indices
         assert other not in by_place
         assert by_place.get(other) is None
-        try:
+        with pytest.raises(KeyError):
             by_place[other]  # type: ignore[index]
-        except KeyError:
-            pass
-        else:
-            raise AssertionError(f"{other!r} found")
 
 
 def test_at_takes_the_place_without_an_index():
