@@ -181,7 +181,14 @@ class Catalog:
         """Parse a stock record's zip headers (two small reads) and remember the result."""
         return self.parse_layouts(location, [index])[0]
 
-    def parse_layouts(self, location: Location, indices: Sequence[MetadataIndex], threads: int = 1) -> list[TensorLayout]:
+    def parse_layouts(
+        self,
+        location: Location,
+        indices: Sequence[MetadataIndex],
+        threads: int = 1,
+        records: RecordLayouts | None = None,
+        cold: bool | None = None,
+    ) -> list[TensorLayout]:
         """``parse_layout`` of many records, recognizing records framed like one parsed
         before without parsing them (``RecordLayouts``). For more than one record, unless
         the first one's head is in memory, storage is asked for the ends of every record of
@@ -196,13 +203,16 @@ class Catalog:
         read ``ENDS_BATCH_RECORDS`` records at a time (``RangeReader.fetch``), a record's
         tail and the next one's head as one span: 590 back-to-back records, warm, 1,180
         reads of Python-wrapped ``preadv`` (~11 us each) -> 591 ``pread`` calls, parse 32
-        -> 20 ms."""
+        -> 20 ms. ``records``: where the frames of the records parsed are kept (a load's
+        guessed reads check against them: ``GuessedLayout``); ``cold``: whether the first
+        record's head is not in memory, where the caller asked already (a second probe
+        finds what the first one's readahead brought in)."""
         files: dict[str, list[tuple[int, MetadataIndex, StoredItem]]] = {}  # each record: its place in indices, item
         for position, index in enumerate(indices):
             item = self.item(index)
             files.setdefault(item.relative_path, []).append((position, index, item))
-        cold: bool | None = None  # whether the first record's head is not in memory (asked once)
-        records = RecordLayouts()
+        records = RecordLayouts() if records is None else records
+        cold = None if cold is None else cold and len(indices) > 1
         layouts: list[TensorLayout | None] = [None] * len(indices)
         runs: list[list[tuple[int, MetadataIndex, StoredItem]]] = []  # of files whose storage took no prefetch
 
@@ -262,10 +272,14 @@ class Catalog:
             raise CheckpointError(f"{where}: cannot read the record ({exc})") from exc
         md, chunk = self.chunk(index)
         check_holds(layout, md.properties.dtype, tuple(chunk.sizes), where)
+        self.learn_layout(index, layout)
+        return layout
+
+    def learn_layout(self, index: MetadataIndex, layout: TensorLayout) -> None:
+        """Remember the layout a load parsed from ``index``'s record (``known_layout``)."""
         with self._lock:
             self._layouts[index] = layout
             self._parsed.add(index)
-        return layout
 
 
 def _read_optional(location: Location, name: str) -> bytes | None:

@@ -30,6 +30,7 @@ from dcp_ext.errors import (
 )
 from dcp_ext.formats.index import INDEX_NAME, StoredItem
 from dcp_ext.formats.torch_record import (
+    RecordLayouts,
     TensorLayout,
     archive_crc_fault,
     check_holds,
@@ -161,6 +162,66 @@ def whole_record_request(
         deliver(decode(item.transforms, buf, where, limit) if item.transforms else buf)
 
     return Request(item.relative_path, key, [(item.offset, item.length)], targets, complete, scratch_bytes=item.length)
+
+
+@dataclass(frozen=True)
+class GuessedLayout:
+    """The layout a stock record is taken to have before any byte of it is read: that of a
+    record of the same length, dtype and shape this load parsed (``torch.save`` frames all
+    such records alike), its CRC-32 unknown. ``records`` holds the frames of the records
+    parsed, which the read checks the guess against (``guessed_record_request``)."""
+
+    layout: TensorLayout
+    records: RecordLayouts
+
+
+def guessed_record_request(
+    item: StoredItem,
+    guess: GuessedLayout,
+    chunk: tuple[torch.dtype, tuple[int, ...]],
+    dest: torch.Tensor,
+    key: str,
+    where: str,
+    learned: Callable[[TensorLayout], None],
+) -> Request:
+    """A whole stock record read as one range, its payload straight into ``dest`` (the
+    caller checked that it lands there: ``straight_start``) where ``guess`` puts it, the
+    bytes before and after into buffers of their own. Once it has landed, the record's
+    layout is parsed from those bytes as from its ends anywhere else (``RecordLayouts.parse``:
+    compared with a frame, or parsed in full) and handed to ``learned``. Where it is not
+    the guess, the record, whole across the three buffers, is first put together and its
+    tensor copied into ``dest`` through its true layout (``copy_record_box``): a wrong
+    guess costs a copy, never a wrong value. No read of the ends comes first: a cold
+    load streams the file once instead of reading every record's ends before its data."""
+    head = guess.layout.payload_offset + guess.layout.storage_offset * guess.layout.dtype.itemsize
+    end = head + dest.nbytes
+    held: list[bytearray] = []
+
+    def targets() -> list[Target]:
+        held[:] = [bytearray(head), bytearray(item.length - end)]
+        return [memoryview(held[0]), host_bytes(dest), memoryview(held[1])]
+
+    def complete() -> None:
+        before, after = held
+        held.clear()
+        payload = host_bytes(dest)
+        parts = ((0, memoryview(before)), (head, payload), (end, memoryview(after)))
+
+        def read_at(offset: int, n: int) -> bytes:
+            out = bytearray()
+            for base, part in parts:
+                lo, hi = max(offset, base), min(offset + n, base + part.nbytes)
+                if lo < hi:
+                    out += part[lo - base : hi - base]
+            return bytes(out)
+
+        layout = guess.records.parse(item.length, read_at, where)
+        if replace(layout, payload_crc32=None) != guess.layout:
+            record = b"".join(bytes(part) for _, part in parts)
+            copy_record_box(record, chunk, (0,) * dest.dim(), tuple(dest.shape), dest, where, False, decoded=False)
+        learned(layout)
+
+    return Request(item.relative_path, key, [(item.offset, item.length)], targets, complete, scratch_bytes=item.length - dest.nbytes)
 
 
 def copy_record_box(

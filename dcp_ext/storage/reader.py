@@ -28,7 +28,7 @@ from dcp_ext.formats.index import IndexedItems, StoredItem
 from dcp_ext.formats.marker import MARKER_NAME
 from dcp_ext.formats.transforms import record_limit
 from dcp_ext.formats.validate import overlapping_boxes
-from dcp_ext.formats.torch_record import TensorLayout, archive_crc_fault, dense_layout
+from dcp_ext.formats.torch_record import RecordLayouts, TensorLayout, archive_crc_fault, dense_layout, numel
 from dcp_ext.observe import LOAD_PHASES, LoadReport, PhaseClock, ReportCallback, publish
 from dcp_ext.runtime.gc_pause import gc_paused
 from dcp_ext.runtime import options
@@ -46,9 +46,11 @@ from dcp_ext.storage.executors import (
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import (
     SLAB_BYTES,
+    GuessedLayout,
     Request,
     StraightRecords,
     copy_record_box,
+    guessed_record_request,
     raise_if_corrupt,
     straight_start,
     tensor_requests,
@@ -401,9 +403,10 @@ class ShardReader(StorageReader):
         item_files: dict[str, list[int]] = {}
         for i in sorted(range(len(stored)), key=lambda i: (stored[i].relative_path, stored[i].offset)):
             item_files.setdefault(stored[i].relative_path, []).append(i)
+        on_host = bool(item_files) and _on_host(planner)
         for path in sorted(item_files.keys() | direct.by_file.keys()):
             mine, theirs = item_files.get(path, []), direct.by_file.get(path, [])
-            layouts = iter(self._layouts(catalog, [items[i] for i in mine], [stored[i] for i in mine]))
+            layouts = iter(self._layouts(catalog, [items[i] for i in mine], [stored[i] for i in mine], on_host))
             straight = StraightRecords(path)
             for is_direct, i in _in_record_order(stored, mine, direct, theirs):
                 if not is_direct:
@@ -593,40 +596,100 @@ class ShardReader(StorageReader):
                     "array's chunk shape times its dtype size); a chunk file holds exactly one chunk"
                 )
 
-    def _layouts(self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem]) -> list[TensorLayout | None]:
+    def _layouts(
+        self, catalog: Catalog, items: list[ReadItem], stored: list[StoredItem], on_host: bool = False
+    ) -> list[TensorLayout | GuessedLayout | None]:
         """The tensor layout of each plan item's record (None: read whole, a bytes item, a
         transformed record, or a stock record on a networked store that ``_cheaper_whole``
         picks). Stock records are parsed once each, all from one open file and most
-        recognized by their frame (``Catalog.parse_layouts``): the items are one file's."""
-        layouts: list[TensorLayout | None] = []
+        recognized by their frame (``Catalog.parse_layouts``): the items are one file's.
+        Where the page cache lacks them (local files; a store's ends are fetched together,
+        as before) and every destination is in host memory (``on_host``: a device's reads go
+        through staging, the records' layouts known first), a stock record read whole, of a
+        length, dtype and shape this file has already shown (``_kind``), is not parsed first
+        but guessed to be framed as that one, and its read checks the guess
+        (``GuessedLayout``): only the first record of each kind is read ahead of the data,
+        which then streams from the disk."""
+        layouts: list[TensorLayout | GuessedLayout | None] = []
         missing: dict[Any, tuple[MetadataIndex, list[int]]] = {}  # by place: records whose layout the metadata does not give
         # (a verified read keeps to the probe: it tells a record that carries no CRC-32 from a corrupt one)
         networked = self.location.networked and catalog.format == "dcp" and not self.verify_checksums
+        guessing = on_host and catalog.format == "dcp" and not self.verify_checksums and self.location.is_local
+        cold: bool | None = None  # whether the page cache lacks the file's first record whose layout is unknown
+        firsts: dict[tuple[Any, ...], Any] = {}  # kind -> the place of the first record of it (parsed)
+        guessed: dict[tuple[Any, ...], list[int]] = {}  # kind -> the positions of the others
         for read_item, record in zip(items, stored):
             layout = None
             if read_item.type != LoadItemType.BYTE_IO and not record.transforms:
-                layout = catalog.known_layout(read_item.storage_index, record)
+                index = read_item.storage_index
+                layout = catalog.known_layout(index, record)
                 if layout is None and networked and self._cheaper_whole(catalog, read_item, record):
                     layouts.append(None)
                     continue
+                kind = None
+                if guessing and layout is None:
+                    if cold is None:  # asked once: warm, the ends come from memory faster than a parse as each record lands
+                        cold = not self._held(record)
+                    kind = self._kind(catalog, read_item, record) if cold else None
+                if kind in firsts:
+                    guessed[kind].append(len(layouts))
+                    layouts.append(None)
+                    continue
                 if layout is None or (self.verify_checksums and record.checksum is None and (
-                        layout.payload_crc32 is None or catalog.parsed_before(read_item.storage_index))):
+                        layout.payload_crc32 is None or catalog.parsed_before(index))):
                     # a verified read of a record without CRC32C in the index checks its zip CRC-32 as
                     # the record holds it now: our index gives no CRC-32 (checksums=False), and one
                     # parsed by an earlier load is stale where the data file alone was replaced
-                    index = read_item.storage_index
-                    missing.setdefault((index.fqn, index.offset), (index, []))[1].append(len(layouts))
+                    place = (index.fqn, index.offset)
+                    missing.setdefault(place, (index, []))[1].append(len(layouts))
+                    if kind is not None:
+                        firsts[kind], guessed[kind] = place, []
             layouts.append(layout)
-        try:
-            parsed = catalog.parse_layouts(self.location, [index for index, _ in missing.values()], self.thread_count)
-        except FileNotFoundError:  # the records parsed here: stock ones, or the canonical record of one of ours
-            index = next(iter(missing.values()))[0]
-            raise self._missing(catalog.item(index).relative_path, index.fqn) from None
-        for (_, positions), layout in zip(missing.values(), parsed):
+        records = RecordLayouts()
+        found = dict(zip(missing, self._parse_layouts(catalog, [index for index, _ in missing.values()], records, cold)))
+        for place, (_, positions) in missing.items():
             for i in positions:  # a layout the index gave keeps its offsets (a TP-replica copy's own), takes the CRC
                 known = layouts[i]
-                layouts[i] = layout if known is None else dataclasses.replace(known, payload_crc32=layout.payload_crc32)
+                layouts[i] = found[place] if known is None else dataclasses.replace(known, payload_crc32=found[place].payload_crc32)
+        unguessed: list[int] = []  # records of a kind no straight read takes: parsed after all
+        for kind, positions in guessed.items():
+            first = found[firsts[kind]]
+            if first.is_row_major() and not (first.conj or first.neg):
+                guess = GuessedLayout(dataclasses.replace(first, payload_crc32=None), records)
+                for i in positions:
+                    layouts[i] = guess
+            else:
+                unguessed += positions
+        for i, layout in zip(unguessed, self._parse_layouts(catalog, [items[i].storage_index for i in unguessed], records, cold)):
+            layouts[i] = layout
         return layouts
+
+    def _held(self, record: StoredItem) -> bool:
+        """Whether the page cache holds the start of ``record`` (``RangeReader.holds``)."""
+        try:
+            with self.location.open_reader(record.relative_path) as reader:
+                return reader.holds([record.offset])
+        except OSError:  # the reads say why
+            return True
+
+    def _parse_layouts(
+        self, catalog: Catalog, indices: list[MetadataIndex], records: RecordLayouts, cold: bool | None = None
+    ) -> list[TensorLayout]:
+        try:
+            return catalog.parse_layouts(self.location, indices, self.thread_count, records, cold)
+        except FileNotFoundError:  # the records parsed here: stock ones, or the canonical record of one of ours
+            raise self._missing(catalog.item(indices[0]).relative_path, indices[0].fqn) from None
+
+    @staticmethod
+    def _kind(catalog: Catalog, read_item: ReadItem, record: StoredItem) -> tuple[Any, ...] | None:
+        """(length, dtype, shape) of a record read whole into one slab (``guessed_record_request``); None otherwise."""
+        md, chunk = catalog.chunk(read_item.storage_index)
+        sizes = tuple(chunk.sizes)
+        if tuple(read_item.lengths) != sizes or any(read_item.storage_offsets):
+            return None
+        if numel(sizes) * md.properties.dtype.itemsize > SLAB_BYTES:
+            return None
+        return record.length, md.properties.dtype, sizes
 
     @staticmethod
     def _cheaper_whole(catalog: Catalog, read_item: ReadItem, record: StoredItem) -> bool:
@@ -645,7 +708,7 @@ class ShardReader(StorageReader):
         catalog: Catalog,
         read_item: ReadItem,
         stored: StoredItem,
-        layout: TensorLayout | None,
+        layout: TensorLayout | GuessedLayout | None,
         planner: LoadPlanner,
         commits: list[Callable[[], None]],
         straight: StraightRecords,
@@ -665,6 +728,14 @@ class ShardReader(StorageReader):
         dest = self._destination(read_item, planner, where)
         commits.append(lambda: planner.commit_tensor(read_item, dest))
         lengths = tuple(read_item.lengths)
+        if isinstance(layout, GuessedLayout):
+            if straight_start(stored, layout.layout, lengths, dest, self.verify_checksums) is None:
+                # host memory of another dtype or layout: the record read whole and copied out, still no read of its ends first
+                return [*straight.flush(), self._whole_record_into(stored, read_item, dest, where)]
+            md, chunk = catalog.chunk(index)
+            learned = lambda found: catalog.learn_layout(index, found)  # noqa: E731
+            return [*straight.flush(), guessed_record_request(
+                stored, layout, (md.properties.dtype, tuple(chunk.sizes)), dest, index.fqn, where, learned)]
         start = straight_start(stored, layout, lengths, dest, self.verify_checksums)
         if start is not None and not (layout.conj or layout.neg) and dest.nbytes <= SLAB_BYTES:
             return straight.add(index.fqn, start, dest)
@@ -693,13 +764,17 @@ class ShardReader(StorageReader):
             commits.append(lambda: planner.load_bytes(read_item, io.BytesIO(landed[0])))
             return whole_record_request(stored, fqn, where, True, land, limit)
         dest = self._destination(read_item, planner, where)
+        commits.append(lambda: planner.commit_tensor(read_item, dest))
+        return self._whole_record_into(stored, read_item, dest, where, limit)
+
+    def _whole_record_into(self, stored: StoredItem, read_item: ReadItem, dest: torch.Tensor, where: str, limit: int = 0) -> Request:
+        """A tensor record read whole, decoded if transformed, its box copied into ``dest`` as it lands."""
         md, chunk = self._require_catalog().chunk(read_item.storage_index)
         stored_as = (md.properties.dtype, tuple(chunk.sizes))
         box = (tuple(read_item.storage_offsets), tuple(read_item.lengths))
-        commits.append(lambda: planner.commit_tensor(read_item, dest))
         copy_box = lambda record: copy_record_box(  # noqa: E731
             record, stored_as, *box, dest, where, self.verify_checksums, decoded=bool(stored.transforms))
-        return whole_record_request(stored, fqn, where, self.verify_checksums, copy_box, limit)
+        return whole_record_request(stored, read_item.storage_index.fqn, where, self.verify_checksums, copy_box, limit)
 
     def _destination(self, read_item: ReadItem, planner: LoadPlanner, where: str) -> torch.Tensor:
         dest = planner.resolve_tensor(read_item)
@@ -710,6 +785,14 @@ class ShardReader(StorageReader):
                 f"{where}: destination has shape {list(dest.shape)} but the plan reads {list(read_item.lengths)}"
             )
         return dest
+
+
+def _on_host(planner: LoadPlanner) -> bool:
+    """Whether every tensor of the planner's state dict lives in host memory."""
+    state = getattr(planner, "state_dict", None)
+    return isinstance(state, dict) and all(
+        getattr(getattr(value, "device", None), "type", None) == "cpu" for value in state.values() if isinstance(value, torch.Tensor)
+    )
 
 
 def checking_reader(path: str | os.PathLike[str], **options: Any) -> ShardReader:

@@ -27,6 +27,7 @@ from dcp_ext.errors import CheckpointError, CorruptCheckpointError
 from dcp_ext.formats import torch_record
 from dcp_ext.formats.torch_record import PROBE_BYTES, RecordLayouts, _save_record, parse_tensor_record, probed_ranges
 from dcp_ext.storage import executors
+from dcp_ext.storage import reader as reader_module
 from dcp_ext.storage import location as location_module
 from dcp_ext.storage.location import LocalRangeReader
 
@@ -239,15 +240,24 @@ def _covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
 
 def test_records_not_in_memory_are_prefetched_then_parsed_bit_exact(tmp_path, monkeypatch):
     """When the page cache lacks a stock file's records, the kernel is asked for the head
-    and tail of every record at once (``POSIX_FADV_WILLNEED``), then the planning thread
-    parses them (CPU work under the GIL, which threads slow down), and their pages are
-    dropped again (``POSIX_FADV_DONTNEED``: left cached, they broke the readahead of the
-    data reads that follow); when it holds them, nothing is asked or dropped. Either way
-    every tensor lands bit-exact."""
+    and tail of the first record of each length, dtype and shape at once
+    (``POSIX_FADV_WILLNEED``), then the planning thread parses them (CPU work under the
+    GIL, which threads slow down), and their pages are dropped again
+    (``POSIX_FADV_DONTNEED``: left cached, they broke the readahead of the data reads that
+    follow); the records like one of them are read whole and parsed as they land
+    (``GuessedLayout``). When the cache holds them, nothing is asked or dropped. Either
+    way every record is parsed once and every tensor lands bit-exact."""
     state = _stock_one_file(tmp_path)
     (data_file,) = tmp_path.glob("*.distcp")
     stored = dcp.FileSystemReader(tmp_path).read_metadata().storage_data.items()
     records = [record for index, record in stored if state[index.fqn].numel()]  # an empty one is not parsed
+    kinds, firsts = set(), []  # the first record of each kind in the file, read ahead of the data
+    for index, record in sorted(stored, key=lambda pair: pair[1].offset):
+        kind = (record.length, state[index.fqn].dtype, state[index.fqn].shape)
+        if state[index.fqn].numel() and kind not in kinds:
+            kinds.add(kind)
+            firsts.append(record)
+    assert len(firsts) < len(records)  # some are guessed
     parsed_on = _note_parsing_threads(monkeypatch)
     advised: list[tuple[int, int]] = []
     released: list[tuple[int, int]] = []
@@ -275,7 +285,7 @@ def test_records_not_in_memory_are_prefetched_then_parsed_bit_exact(tmp_path, mo
             assert not advised and not released
             continue
         assert len(advised) < 2 * len(records), advised  # neighbouring ends asked together
-        for record in records:
+        for record in firsts:
             head, tail = min(record.length, PROBE_BYTES), max(0, record.length - PROBE_BYTES)
             for ranges in (advised, released):
                 assert _covered(ranges, record.offset, record.offset + head), (record, ranges)
@@ -357,3 +367,81 @@ def test_whole_stock_records_are_read_in_shared_requests_bit_exact(tmp_path, mon
     for key, want in state.items():
         assert torch.equal(dst[key].resolve_conj(), want.resolve_conj()), key
     assert len(handed) <= 4, [(r.key, len(r.ranges)) for r in handed]  # the 40 records in one or two, the views alone
+
+
+def test_a_record_guessed_wrong_still_lands_bit_exact(tmp_path, monkeypatch):
+    """A stock record not in the page cache, of the length, dtype and shape of one parsed
+    before, is read whole, guessed to be framed as that one (``GuessedLayout``), and parsed
+    as it lands. A record
+    that shares all three but not its layout (a transposed or a conjugated tensor after
+    plain ones) is found out by that parse and copied through its true layout; a kind whose
+    first record no straight read takes (transposed or conjugated first) guesses nothing.
+    Every tensor lands bit-exact, every record is parsed once, and every layout found as
+    a record landed is remembered, as a parse ahead of the data remembers it."""
+    state = {
+        **{f"p{n}": torch.randn(24, 24) for n in range(4)}, "p_transposed": torch.randn(24, 24).t(),
+        "q_transposed": torch.randn(20, 20).t(), **{f"q{n}": torch.randn(20, 20) for n in range(3)},
+        **{f"c{n}": torch.randn(6, 6, dtype=torch.complex64) for n in range(3)},
+        "c_conj": torch.randn(6, 6, dtype=torch.complex64).conj(),
+        "d_conj": torch.randn(5, 5, dtype=torch.complex64).conj(), **{f"d{n}": torch.randn(5, 5, dtype=torch.complex64) for n in range(2)},
+    }
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    stored = dcp.FileSystemReader(tmp_path).read_metadata().storage_data
+    at = {index.fqn: (index, record) for index, record in stored.items()}
+    for first, *others in (["p0", "p1", "p_transposed"], ["q_transposed", "q0"], ["c0", "c1", "c_conj"], ["d_conj", "d0"]):
+        assert {at[key][1].length for key in others} == {at[first][1].length}  # one kind
+        assert all(at[first][1].offset < at[key][1].offset for key in others)  # its first record in the file
+    parsed_on = _note_parsing_threads(monkeypatch)
+    guessed: list[str] = []
+    real_request = reader_module.guessed_record_request
+
+    def noted(item, guess, chunk, dest, key, where, learned):
+        guessed.append(key)
+        return real_request(item, guess, chunk, dest, key, where, learned)
+
+    monkeypatch.setattr(reader_module, "guessed_record_request", noted)
+    dst = {k: garbage(v.shape, v.dtype) for k, v in state.items()}
+    (data_file,) = tmp_path.glob("*.distcp")
+    evict(data_file)  # guessed only where the ends would wait for the disk
+    if LocalRangeReader(str(data_file)).holds([0]):
+        pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
+    evict(data_file)
+    reader = ShardReader(str(tmp_path), cache_metadata=False)
+    dcp.load(dst, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in state.items():
+        assert torch.equal(dst[key].resolve_conj(), want.resolve_conj()), key
+    assert len(parsed_on) == len(state)  # each record once, ahead of the data or as it landed
+    assert sorted(guessed) == sorted(["p1", "p2", "p3", "p_transposed", "c1", "c2", "c_conj"])
+    data = (tmp_path / at["p0"][1].relative_path).read_bytes()
+    for key in state:
+        index, record = at[key]
+        assert reader.catalog.known_layout(index) == parse_tensor_record(
+            record.length, reader_of(data[record.offset : record.offset + record.length]), key), key
+
+
+def test_guessed_records_into_another_dtype_are_read_whole_and_cast(tmp_path, monkeypatch):
+    """Guessed stock records (not in the page cache) whose destinations take no straight
+    read (bf16 destinations of fp32 records) are read whole and copied out as they land,
+    still without a read of their ends ahead of the data; every value is the cast."""
+    state = {f"w{n}": torch.randn(16, 40) for n in range(6)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    (data_file,) = tmp_path.glob("*.distcp")
+    evict(data_file)
+    if LocalRangeReader(str(data_file)).holds([0]):
+        pytest.skip("this file system keeps the file's pages (tmpfs) or has no RWF_NOWAIT")
+    evict(data_file)
+    whole: list[str] = []
+    real_request = reader_module.whole_record_request
+
+    def noted(stored, key, *args):
+        whole.append(key)
+        return real_request(stored, key, *args)
+
+    monkeypatch.setattr(reader_module, "whole_record_request", noted)
+    dst = {k: garbage(v.shape, torch.bfloat16) for k, v in state.items()}
+    dcp.load(dst, storage_reader=ShardReader(str(tmp_path), cache_metadata=False), planner=ShardLoadPlanner(), no_dist=True)
+    for key, want in state.items():
+        assert torch.equal(dst[key], want.to(torch.bfloat16)), key
+    stored = dcp.FileSystemReader(tmp_path).read_metadata().storage_data
+    first = min(stored, key=lambda index: stored[index].offset).fqn  # parsed ahead of the data
+    assert sorted(whole) == sorted(key for key in state if key != first)
