@@ -28,6 +28,7 @@ TASK_BYTES = 32 << 20  # least bytes one thread reads before the next task is pi
 # from a local disk: a cold 0.12 GB file read as four 32 MiB stretches took 47.4 ms, as two of 60 MB 43.8
 DISK_TASK_BYTES = 64 << 20
 SCRATCH_BYTES = 64 << 20  # temporary memory the requests one thread reads at once allocate (or one request's)
+LANDED_BYTES = 8 << 20  # bytes of requests with temporaries read before they are completed
 SMALL_GAP_BYTES = 4 << 10  # holes this small (record headers) are always read through
 GAP_BYTES = 64 << 10  # larger holes only when under 1/32 of the merged read: amplification <= ~3%
 DEFAULT_BUDGET_BYTES = 256 << 20  # two-stage: bytes of stored data in flight per batch
@@ -232,18 +233,22 @@ def file_tasks(requests: Iterable[S], limit: int) -> Iterator[list[S]]:
             yield task
 
 
-def scratch_batches(task: list[Request], limit: int) -> Iterator[list[Request]]:
+def scratch_batches(task: list[Request], limit: int, landed_bytes: int = LANDED_BYTES) -> Iterator[list[Request]]:
     """The task's requests in order, cut where the temporary memory their targets allocate
     would pass ``limit`` (a request above it goes alone): a task of verified partial reads
-    or compressed records allocated every record's buffer before its first read."""
+    or compressed records allocated every record's buffer before its first read. Also cut
+    once the requests with temporaries in a batch read ``landed_bytes``: those have work
+    to do once landed (a check, a copy, a layout to parse), which a batch does after its
+    last byte, and a whole task's worth of it left the disk idle at the end of a load."""
     batch: list[Request] = []
-    held = 0
+    held = landed = 0
     for request in task:
-        if batch and request.scratch_bytes and held + request.scratch_bytes > limit:
+        if batch and request.scratch_bytes and (held + request.scratch_bytes > limit or landed >= landed_bytes):
             yield batch
-            batch, held = [], 0
+            batch, held, landed = [], 0, 0
         batch.append(request)
         held += request.scratch_bytes
+        landed += request.nbytes if request.scratch_bytes else 0
     if batch:
         yield batch
 

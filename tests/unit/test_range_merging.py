@@ -150,6 +150,19 @@ def test_a_task_is_read_in_batches_of_bounded_scratch_memory():
     assert [len(b) for b in scratch_batches([sized(0)] * 5, 64)] == [5]
 
 
+def test_requests_with_work_once_landed_are_completed_every_few_bytes():
+    """Requests with temporaries (work to do once landed) are cut into batches once those
+    of a batch read the landed limit, so their work runs while the rest of the task is
+    still to read; reads straight into destinations never count or cut."""
+    def request(nbytes: int, scratch: int) -> Request:
+        return Request("f", "k", [(0, nbytes)], lambda: [], scratch_bytes=scratch)
+
+    task = [request(60, 1), request(60, 1), request(500, 0), request(60, 1), request(30, 1), request(10, 1), request(60, 1)]
+    batches = [[(r.nbytes, r.scratch_bytes) for r in batch] for batch in scratch_batches(task, 1 << 20, 100)]
+    assert batches == [[(60, 1), (60, 1), (500, 0)], [(60, 1), (30, 1), (10, 1)], [(60, 1)]]
+    assert [len(b) for b in scratch_batches([request(500, 0)] * 5, 1 << 20, 100)] == [5]
+
+
 def test_a_ranks_segments_are_read_file_by_file_in_thread_shares():
     """Two-stage reads cut a rank's segments (in file order) into tasks as the plain reader
     cuts requests: each file opened once per task (not per segment: a column-sharded load
