@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import io
+import math
 import pickle
 import struct
 import threading
@@ -173,10 +174,7 @@ def math_bits(tensor: torch.Tensor) -> tuple[bool, bool]:
 
 
 def numel(shape: tuple[int, ...] | torch.Size) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ to hold (which also stops a chunk claiming 2**60 bytes from becoming an allocati
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -93,7 +94,7 @@ def items_from_storage_data(metadata: Metadata, source: str) -> ItemsByPlace:
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise CorruptCheckpointError(f"{source}: storage_data entry {index!r} is not a DCP file location")
         transforms = tuple(info.transform_descriptors or ())
-        if not all(isinstance(t, str) for t in transforms):
+        if transforms and not all(isinstance(t, str) for t in transforms):
             raise CorruptCheckpointError(f"{source}: item {index.fqn!r} has stream transforms {transforms!r}, expected names")
         items.add(index, StoredItem(info.relative_path, info.offset, info.length, transforms=transforms))
     return items
@@ -134,13 +135,13 @@ def _check_location(index: MetadataIndex, item: StoredItem, source: str, named: 
     path = item.relative_path
     if type(path) is not str or path not in named:  # anything but a str is refused right there
         named.add(check_relative_name(source, path, index.fqn))
-    payload = item.payload_offset
+    offset, length, payload = item.offset, item.length, item.payload_offset
     if (
-        not _non_negative_ints((item.offset, item.length))
+        type(offset) is not _INT or type(length) is not _INT or offset < 0 or length < 0  # _non_negative_ints, unrolled
         or type(payload) is not int
-        or not (payload == -1 or item.offset <= payload <= item.offset + item.length)
+        or not (payload == -1 or offset <= payload <= offset + length)
     ):
-        raise invalid_byte_range(source, index.fqn, item.offset, item.length, payload)
+        raise invalid_byte_range(source, index.fqn, offset, length, payload)
 
 
 def _check_tensor(
@@ -163,7 +164,7 @@ def _check_tensor(
             or len(sizes) != len(md.size)
             or not _non_negative_ints(offsets)
             or not _non_negative_ints(sizes)
-            or any(o + s > n for o, s, n in zip(offsets, sizes, md.size))
+            or not all(map(operator.le, map(operator.add, offsets, sizes), md.size))  # every o + s <= n, in C
         ):
             raise chunk_outside_tensor(source, fqn, offsets, sizes, md.size)
         # DCP's constructor copies the offsets into a new torch.Size; the pickle's already are one

@@ -182,6 +182,21 @@ def test_bytes_item_claiming_2_pow_60_bytes_is_refused_before_any_allocation(tmp
     assert isinstance(error, CorruptCheckpointError) and "'name'" in str(error) and "truncated" in str(error)
 
 
+@pytest.mark.parametrize("field, value", [("offset", -1), ("length", -1), ("offset", True), ("length", 1.5), ("offset", "0")])
+def test_a_stored_byte_range_that_is_no_range_is_refused(tmp_path, field, value):
+    """A pickled ``.metadata`` whose stored item for 'w' has a negative, boolean, fractional
+    or textual offset or length is refused naming the key, before any read."""
+    save(sample_state(), tmp_path)
+
+    def corrupt(md):
+        index = next(i for i in md.storage_data if i.fqn == "w")
+        setattr(md.storage_data[index], field, value)
+
+    rewrite_metadata(tmp_path, corrupt)
+    with pytest.raises(CorruptCheckpointError, match=r"key 'w' has an invalid byte range"):
+        ShardReader(tmp_path, cache_metadata=False).read_metadata()
+
+
 @pytest.mark.parametrize("bad_path", ["../outside.distcp", "/etc/passwd", "a/../../x", "C:\\x", "a\x00b"])
 def test_path_escape_in_metadata_is_refused(tmp_path, bad_path):
     save(sample_state(), tmp_path / "ckpt")
