@@ -604,17 +604,18 @@ class ShardReader(StorageReader):
         picks). Stock records are parsed once each, all from one open file and most
         recognized by their frame (``Catalog.parse_layouts``): the items are one file's.
         Where the page cache lacks them (local files; a store's ends are fetched together,
-        as before) and every destination is in host memory (``on_host``: a device's reads go
-        through staging, the records' layouts known first), a stock record read whole, of a
-        length, dtype and shape this file has already shown (``_kind``), is not parsed first
-        but guessed to be framed as that one, and its read checks the guess
+        as before), every destination is in host memory (``on_host``: a device's reads go
+        through staging, the records' layouts known first) and each rank reads for itself
+        (a two-stage load exchanges the payloads' bytes alone), a stock record read whole,
+        of a length, dtype and shape this file has already shown (``_kind``), is not parsed
+        first but guessed to be framed as that one, and its read checks the guess
         (``GuessedLayout``): only the first record of each kind is read ahead of the data,
         which then streams from the disk."""
         layouts: list[TensorLayout | GuessedLayout | None] = []
         missing: dict[Any, tuple[MetadataIndex, list[int]]] = {}  # by place: records whose layout the metadata does not give
         # (a verified read keeps to the probe: it tells a record that carries no CRC-32 from a corrupt one)
         networked = self.location.networked and catalog.format == "dcp" and not self.verify_checksums
-        guessing = on_host and catalog.format == "dcp" and not self.verify_checksums and self.location.is_local
+        guessing = on_host and catalog.format == "dcp" and not (self.verify_checksums or self.two_stage) and self.location.is_local
         cold: bool | None = None  # whether the page cache lacks the file's first record whose layout is unknown
         firsts: dict[tuple[Any, ...], Any] = {}  # kind -> the place of the first record of it (parsed)
         guessed: dict[tuple[Any, ...], list[int]] = {}  # kind -> the positions of the others
