@@ -146,7 +146,7 @@ class StartedPool:
                 _settle(future, fn, *args)
 
 
-_KEPT: dict[str, tuple[int, StartedPool]] = {}  # name -> (the process that started it, the pool)
+_KEPT: dict[str, StartedPool] = {}
 _KEPT_LOCK = threading.Lock()
 
 
@@ -156,15 +156,25 @@ def kept_pool(name: str, threads: int) -> StartedPool:
     scheduled, which in a warm load of 0.12 GB, after copies that left the CPU caches
     cold, took 0.72 ms of 13-16. Callers share it, so each bounds how many of its threads
     it keeps busy (``ScatterReads.run``: a semaphore) and waits for its own tasks only. A
-    forked child starts its own: the fork left the parent's threads behind."""
+    forked child starts its own (``_forget_kept_pools``)."""
     with _KEPT_LOCK:
-        pid, pool = _KEPT.get(name, (0, None))
-        if pool is None or pid != os.getpid():
-            pool = StartedPool(threads, name)
-            _KEPT[name] = (os.getpid(), pool)
+        pool = _KEPT.get(name)
+        if pool is None:
+            pool = _KEPT[name] = StartedPool(threads, name)
         else:
             pool.grow(threads)
         return pool
+
+
+def _forget_kept_pools() -> None:
+    """In a forked child: the fork copied no thread of the parent's pools, and a lock a
+    parent's thread held then would stay held."""
+    global _KEPT_LOCK
+    _KEPT.clear()
+    _KEPT_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_kept_pools)
 
 
 def in_background(work: Callable[[], T], name: str) -> Future[T]:
