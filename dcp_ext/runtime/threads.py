@@ -12,7 +12,6 @@ And how they run: ``StartedPool`` starts all of a pool's threads before its firs
 ``concurrent.futures.ThreadPoolExecutor`` starts one per submit, so every thread after the
 first starts while the others read; on 2 busy cores such a start waited 0.9 ms for the GIL
 (55 us on idle ones), 3-5 ms of a 16 ms load of 0.12 GB, on the thread that plans the reads.
-A reader's pool is started once per process and kept for the next load (``kept_pool``).
 """
 
 from __future__ import annotations
@@ -61,25 +60,18 @@ class StartedPool:
 
     def __init__(self, threads: int, name: str):
         self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._name = name
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         self._lock = threading.Lock()
         self._closed = False
+        started = 0
         try:
-            self.grow(threads)
+            for thread in self._threads:
+                thread.start()
+                started += 1
         except BaseException:  # the threads that did start are stopped before the error goes on
+            del self._threads[started:]
             self.shutdown()
             raise
-
-    def grow(self, threads: int) -> None:
-        """Start threads until the pool has ``threads`` of them."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("StartedPool: cannot grow after shutdown")
-            while len(self._threads) < threads:
-                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -144,37 +136,6 @@ class StartedPool:
             future, fn, args = task
             if future.set_running_or_notify_cancel():
                 _settle(future, fn, *args)
-
-
-_KEPT: dict[str, StartedPool] = {}
-_KEPT_LOCK = threading.Lock()
-
-
-def kept_pool(name: str, threads: int) -> StartedPool:
-    """A ``StartedPool`` of at least ``threads`` threads named ``name``, started once per
-    process and kept for the next caller: a thread's start waits until it has been
-    scheduled, which in a warm load of 0.12 GB, after copies that left the CPU caches
-    cold, took 0.72 ms of 13-16. Callers share it, so each bounds how many of its threads
-    it keeps busy (``ScatterReads.run``: a semaphore) and waits for its own tasks only. A
-    forked child starts its own (``_forget_kept_pools``)."""
-    with _KEPT_LOCK:
-        pool = _KEPT.get(name)
-        if pool is None:
-            pool = _KEPT[name] = StartedPool(threads, name)
-        else:
-            pool.grow(threads)
-        return pool
-
-
-def _forget_kept_pools() -> None:
-    """In a forked child: the fork copied no thread of the parent's pools, and a lock a
-    parent's thread held then would stay held."""
-    global _KEPT_LOCK
-    _KEPT.clear()
-    _KEPT_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_kept_pools)
 
 
 def in_background(work: Callable[[], T], name: str) -> Future[T]:

@@ -11,16 +11,15 @@ go through host staging buffers (``device_staging``) in ``ScatterReads``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
 from typing import Any, Protocol, TypeVar
 
 from dcp_ext.errors import CheckpointError
-from dcp_ext.runtime.threads import kept_pool
+from dcp_ext.runtime.threads import StartedPool
 from dcp_ext.storage.device_staging import STAGING_BUFFER_BYTES, STAGING_BUFFERS, DeviceStaging
 from dcp_ext.storage.location import Location
 from dcp_ext.storage.read_plan import Request
@@ -89,13 +88,6 @@ def register_executor(name: str, factory: Callable[[ReadSettings], Executor]) ->
     EXECUTORS[name] = factory
 
 
-def _in_lane(lanes: threading.BoundedSemaphore, runner: Callable[[list[Request]], int], task: list[Request]) -> int:
-    """``runner(task)`` on a pool thread once one of the run's lanes is free: the kept pool
-    may hold more threads than this run's thread count allows."""
-    with lanes:
-        return runner(task)
-
-
 class ScatterReads:
     """Requests grouped per file in offset order, spread over a thread pool.
 
@@ -132,8 +124,7 @@ class ScatterReads:
         limit = task_limit(expected_bytes, threads, DISK_TASK_BYTES if from_disk else TASK_BYTES)
         if expected_files:  # no more threads than there can be tasks (each file's cut at limit)
             threads = max(1, min(threads, expected_files + expected_bytes // limit))
-        pool = kept_pool("dcp_ext-read", threads - 1) if threads > 1 else None
-        lanes = threading.BoundedSemaphore(threads - 1)  # the pool threads this run keeps busy at once
+        pool = StartedPool(threads - 1, "dcp_ext-read") if threads > 1 else None
         handed: list[tuple[Future[int], Callable[[list[Request]], int], list[Request]]] = []
         files: set[str] = set()
         total = 0
@@ -143,18 +134,19 @@ class ScatterReads:
                 if pool is None:
                     total += runner(task)
                 else:
-                    handed.append((pool.submit(_in_lane, lanes, runner, task), runner, task))
+                    handed.append((pool.submit(runner, task), runner, task))
                 files.add(task[0].path)
             for future, runner, task in reversed(handed):
                 if future.cancel():  # no pool thread took it
                     total += runner(task)
             total += sum(future.result() for future, _, _ in handed if not future.cancelled())
         except BaseException:
-            for future, _, _ in handed:
-                future.cancel()
-            wait([future for future, _, _ in handed])  # what has started lands before the error is raised
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)  # what has started lands before the error is raised
             raise
         finally:
+            if pool is not None:
+                pool.shutdown()
             if self.staging is not None:  # every copy has landed (or the load failed) past here
                 self.staging.finish()
         return total, files
